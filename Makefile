@@ -1,0 +1,30 @@
+# Quick start: `make demo` (set up .venv, generate a video with the embedded model) and `make test`.
+VENV := .venv
+PY := $(VENV)/bin/python
+SRC := src/distvideo
+
+.PHONY: setup system-deps demo test lint typecheck pytest clean
+
+setup:
+	@bash scripts/setup_venv.sh
+
+system-deps:
+	@bash scripts/install_system_deps.sh
+
+demo: setup
+	@$(VENV)/bin/distvideo generate --prompt "a red fox running through snow" --output outputs/ --no-progress
+
+lint: setup
+	$(VENV)/bin/ruff check src tests benchmarks scripts examples
+	$(VENV)/bin/ruff format --check src tests benchmarks scripts examples
+
+typecheck: setup
+	$(VENV)/bin/mypy $(SRC)/launch.py $(SRC)/envs.py $(SRC)/config.py $(SRC)/executors
+
+pytest: setup system-deps
+	$(PY) -m pytest -q tests
+
+test: setup system-deps lint typecheck pytest
+
+clean:
+	rm -rf $(VENV) outputs .pytest_cache .mypy_cache .ruff_cache

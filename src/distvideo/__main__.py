@@ -1,0 +1,3 @@
+from distvideo.cli.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,226 @@
+"""Typed engine configuration and generation request, and strict parsing of config files.
+
+Bad input anywhere (flags, files, API arguments) raises :class:`ConfigError`, which the CLI maps
+to exit code 2; its message names the parameter, the value seen and what would work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+EXECUTORS = ("auto", "inline", "mp", "external")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """Bad input or configuration: the CLI exits with code 2 and nothing is written."""
+
+
+@dataclass
+class LoraSpec:
+    path: str
+    strength: float = 1.0
+
+    @classmethod
+    def parse(cls, text: str) -> LoraSpec:
+        """`PATH[:STRENGTH]`; a trailing `:number` is the strength (paths may contain ':')."""
+        path, sep, tail = text.rpartition(":")
+        if sep and path:
+            try:
+                return cls(path=path, strength=float(tail))
+            except ValueError:
+                pass
+        if not text:
+            raise ConfigError("--lora: empty value; expected PATH or PATH:STRENGTH, e.g. style.safetensors:0.8")
+        return cls(path=text, strength=1.0)
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None
+    num_gpus: int | None = None
+    executor: str = "auto"
+    sp_size: int | None = None
+    cfg_parallel: bool | None = None
+    dist_timeout: float | None = None
+    device: str | None = None
+    dtype: str | None = None
+    lora: list[LoraSpec] = field(default_factory=list)
+
+    def validate(self) -> None:
+        if self.executor not in EXECUTORS:
+            raise ConfigError(f"executor={self.executor!r} is not supported; choose one of {', '.join(EXECUTORS)}")
+        if self.num_gpus is not None and self.num_gpus < 1:
+            raise ConfigError(f"num_gpus={self.num_gpus} must be >= 1 (the number of ranks)")
+        if self.sp_size is not None and self.sp_size < 1:
+            raise ConfigError(f"sp_size={self.sp_size} must be >= 1")
+        if self.dist_timeout is not None and not self.dist_timeout > 0:
+            raise ConfigError(f"dist_timeout={self.dist_timeout} must be a positive number of seconds")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ConfigError(f"dtype={self.dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
+        for spec in self.lora:
+            if not 0.0 <= abs(spec.strength) < 1e6:
+                raise ConfigError(f"lora strength {spec.strength} for {spec.path} is not a finite number")
+
+
+@dataclass
+class GenerationRequest:
+    """One text-to-video request. None means "the model's default" (see models.registry)."""
+
+    prompt: str = ""
+    negative_prompt: str | None = None
+    num_frames: int | None = None
+    height: int | None = None
+    width: int | None = None
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    seed: int = 0
+    fps: int = 16
+    output_path: str | None = None
+    save_video: bool = True
+    return_frames: bool = True
+    max_sequence_length: int = 512
+
+    def validate(self) -> None:
+        """Checks that need no model; model-dependent checks live in the model's spec."""
+        if not isinstance(self.prompt, str) or not self.prompt.strip():
+            raise ConfigError("prompt: must be a non-empty text, e.g. --prompt 'a cat surfing a wave'")
+        if self.negative_prompt is not None and not isinstance(self.negative_prompt, str):
+            raise ConfigError(f"negative_prompt: must be a text, got {type(self.negative_prompt).__name__}")
+        _check_int("num_frames", self.num_frames, minimum=1)
+        if self.num_frames is not None and (self.num_frames - 1) % 4 != 0:
+            lower = (self.num_frames - 1) // 4 * 4 + 1
+            raise ConfigError(
+                f"num_frames={self.num_frames} must be of the form 4k+1 (the VAE packs 4 frames per latent "
+                f"frame after the first); try {lower} or {lower + 4}"
+            )
+        _check_int("height", self.height, minimum=1)
+        _check_int("width", self.width, minimum=1)
+        _check_int("num_inference_steps", self.num_inference_steps, minimum=1, flag="--steps")
+        if self.guidance_scale is not None:
+            if isinstance(self.guidance_scale, bool) or not isinstance(self.guidance_scale, (int, float)):
+                raise ConfigError(f"guidance_scale: expected a number, got {self.guidance_scale!r}")
+            if not (0.0 <= float(self.guidance_scale) < 1e4):
+                raise ConfigError(
+                    f"guidance_scale={self.guidance_scale} must be >= 0 (1 or less turns classifier-free guidance off)"
+                )
+        _check_int("seed", self.seed, minimum=0)
+        if self.seed >= 2**63:
+            raise ConfigError(f"seed={self.seed} must be below 2**63")
+        _check_int("fps", self.fps, minimum=1)
+        _check_int("max_sequence_length", self.max_sequence_length, minimum=1)
+        if self.output_path is not None and not isinstance(self.output_path, str):
+            raise ConfigError(f"output_path: expected a path, got {self.output_path!r}")
+
+    def digest_fields(self) -> dict[str, Any]:
+        """The fields every rank must agree on (all of them: the output path only matters on rank 0,
+        but a difference there is still a sign of a divergent script)."""
+        return dataclasses.asdict(self)
+
+
+def _check_int(name: str, value: Any, *, minimum: int, flag: str | None = None) -> None:
+    if value is None:
+        return
+    label = name if flag is None else f"{name} ({flag})"
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{label}: expected an integer, got {value!r}")
+    if value < minimum:
+        raise ConfigError(f"{label}={value} must be >= {minimum}")
+
+
+# --- config files -------------------------------------------------------------------------------
+
+_SECTIONS: dict[str, type] = {"engine": EngineConfig, "request": GenerationRequest}
+
+
+def load_config_file(path: str | Path) -> dict[str, dict[str, Any]]:
+    """Parse a YAML or JSON config file into {"engine": {...}, "request": {...}} of checked values.
+
+    Strict: an unknown key is an error naming its dotted path; a value of the wrong type names the
+    key, the value and the expected type.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--config {path}: no such file")
+    try:
+        text = p.read_text()
+        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+    except (yaml.YAMLError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--config {path}: cannot parse: {exc}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: expected a mapping with sections 'engine' and 'request'")
+    out: dict[str, dict[str, Any]] = {"engine": {}, "request": {}}
+    for section, values in data.items():
+        if section not in _SECTIONS:
+            raise ConfigError(
+                f"--config {path}: unknown key '{section}'; top-level keys are {', '.join(sorted(_SECTIONS))}"
+            )
+        if values is None:
+            continue
+        if not isinstance(values, dict):
+            raise ConfigError(f"--config {path}: '{section}' must be a mapping, got {type(values).__name__}")
+        out[section] = _check_section(path, section, _SECTIONS[section], values)
+    return out
+
+
+def _check_section(path: str | Path, section: str, cls: type, values: dict[str, Any]) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    checked: dict[str, Any] = {}
+    for key, value in values.items():
+        dotted = f"{section}.{key}"
+        if key not in names:
+            raise ConfigError(f"--config {path}: unknown key '{dotted}'; known keys: {', '.join(sorted(names))}")
+        if section == "engine" and key == "lora":
+            checked[key] = _parse_lora_list(path, dotted, value)
+            continue
+        checked[key] = _coerce(path, dotted, hints[key], value)
+    return checked
+
+
+def _parse_lora_list(path: str | Path, dotted: str, value: Any) -> list[LoraSpec]:
+    items = value if isinstance(value, list) else [value]
+    specs = []
+    for i, item in enumerate(items):
+        if isinstance(item, str):
+            specs.append(LoraSpec.parse(item))
+        elif isinstance(item, dict) and set(item) <= {"path", "strength"} and isinstance(item.get("path"), str):
+            strength = item.get("strength", 1.0)
+            if isinstance(strength, bool) or not isinstance(strength, (int, float)):
+                raise ConfigError(f"--config {path}: '{dotted}[{i}].strength' must be a number, got {strength!r}")
+            specs.append(LoraSpec(path=item["path"], strength=float(strength)))
+        else:
+            raise ConfigError(
+                f"--config {path}: '{dotted}[{i}]' must be 'PATH[:STRENGTH]' or {{path: ..., strength: ...}}, "
+                f"got {item!r}"
+            )
+    return specs
+
+
+def _coerce(path: str | Path, dotted: str, hint: Any, value: Any) -> Any:
+    allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if value is None:
+        if type(None) in allowed:
+            return None
+        raise ConfigError(f"--config {path}: '{dotted}' must not be null")
+    for kind in allowed:
+        if kind is bool and isinstance(value, bool):
+            return value
+        if kind is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if kind is str and isinstance(value, str):
+            return value
+    names = " or ".join(getattr(k, "__name__", str(k)) for k in allowed if k is not type(None))
+    raise ConfigError(f"--config {path}: '{dotted}' must be {names}, got {value!r}")

@@ -1,0 +1,165 @@
+"""The one registry of environment variables distvideo reads or writes.
+
+Every variable is declared once here (name, parser, default, one-line doc) and read lazily through
+:func:`get`; no other module touches ``os.environ``. ``docs/env_vars.md`` lists every declaration
+(a test keeps the two in sync).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    parse: Callable[[str], Any]
+    default: Any
+    doc: str
+    group: str = "distvideo"
+
+
+def _bool(value: str) -> bool:
+    lowered = value.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected a boolean (1/0/true/false), got {value!r}")
+
+
+def _str(value: str) -> str:
+    return value
+
+
+def _int(value: str) -> int:
+    return int(value.strip())
+
+
+REGISTRY: dict[str, EnvVar] = {}
+
+
+def _declare(name: str, parse: Callable[[str], Any], default: Any, doc: str, group: str = "distvideo") -> None:
+    if name in REGISTRY:
+        raise RuntimeError(f"environment variable {name} declared twice")
+    REGISTRY[name] = EnvVar(name, parse, default, doc, group)
+
+
+# --- distvideo's own settings -------------------------------------------------------------------
+_declare("DISTVIDEO_LOG_LEVEL", _str, "INFO", "Log level of the distvideo logger (DEBUG, INFO, WARNING, ERROR).")
+_declare(
+    "DISTVIDEO_NUM_THREADS",
+    _int,
+    None,
+    "Intra-op CPU threads per rank. Default: OMP_NUM_THREADS when the user set it, else cores / local world size.",
+)
+_declare("DISTVIDEO_NO_PROGRESS", _bool, False, "Disable the tqdm progress bar (same as --no-progress).")
+_declare(
+    "DISTVIDEO_MP_WORKER",
+    _bool,
+    False,
+    "Set by the mp executor in the processes it spawns; tells a worker it was spawned by distvideo.",
+)
+
+# --- launcher variables (read by distvideo.launch; torchrun, Open MPI, MPICH/Intel MPI, Slurm) ---
+_LAUNCH_DOCS = {
+    "RANK": "torchrun: global rank of this process.",
+    "WORLD_SIZE": "torchrun: number of processes in the job.",
+    "LOCAL_RANK": "torchrun: rank of this process on its node.",
+    "LOCAL_WORLD_SIZE": "torchrun: number of processes on this node.",
+    "MASTER_ADDR": "Address of the rendezvous host (rank 0).",
+    "MASTER_PORT": "TCP port of the rendezvous on MASTER_ADDR.",
+    "OMPI_COMM_WORLD_RANK": "Open MPI: global rank.",
+    "OMPI_COMM_WORLD_SIZE": "Open MPI: number of processes.",
+    "OMPI_COMM_WORLD_LOCAL_RANK": "Open MPI: rank on this node.",
+    "OMPI_COMM_WORLD_LOCAL_SIZE": "Open MPI: processes on this node.",
+    "PMI_RANK": "MPICH / Intel MPI: global rank.",
+    "PMI_SIZE": "MPICH / Intel MPI: number of processes.",
+    "MPI_LOCALRANKID": "MPICH / Intel MPI: rank on this node.",
+    "MPI_LOCALNRANKS": "MPICH / Intel MPI: processes on this node.",
+    "SLURM_PROCID": "Slurm: global rank of the task.",
+    "SLURM_NTASKS": "Slurm: number of tasks in the step.",
+    "SLURM_LOCALID": "Slurm: rank of the task on its node.",
+    "SLURM_NTASKS_PER_NODE": "Slurm: tasks per node as requested (N).",
+    "SLURM_STEP_TASKS_PER_NODE": "Slurm: tasks per node of the step (N or N(xM),...).",
+    "SLURM_TASKS_PER_NODE": "Slurm: tasks per node of the job (N or N(xM),...).",
+    "SLURM_STEP_NODELIST": "Slurm: compressed host list of the step; its first host is the default MASTER_ADDR.",
+    "SLURM_JOB_NODELIST": "Slurm: compressed host list of the job (fallback for SLURM_STEP_NODELIST).",
+    "SLURM_JOB_ID": "Slurm: job id; the default MASTER_PORT is derived from it.",
+    "SLURM_STEP_ID": "Slurm: step id; set in tasks srun started (a batch script alone is not a launch).",
+}
+for _name, _doc in _LAUNCH_DOCS.items():
+    _declare(_name, _str, None, _doc, group="launcher")
+
+# --- variables of other libraries that distvideo reads ------------------------------------------
+_declare(
+    "OMP_NUM_THREADS", _str, None, "OpenMP threads; when set by the user it wins over distvideo's default.", "other"
+)
+_declare(
+    "TORCHELASTIC_RUN_ID", _str, None, "Set by torchrun; tells that OMP_NUM_THREADS=1 came from torchrun.", "other"
+)
+_declare(
+    "CUDA_VISIBLE_DEVICES", _str, None, "GPUs visible to this process (reported in errors about devices).", "other"
+)
+
+
+def _lookup(name: str) -> EnvVar:
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"{name} is not declared in distvideo.envs; declare it there first") from None
+
+
+def get_raw(name: str) -> str | None:
+    """The raw string value of a declared variable, or None when unset."""
+    _lookup(name)
+    return os.environ.get(name)
+
+
+def get(name: str) -> Any:
+    """The parsed value of a declared variable; its default when unset or empty."""
+    var = _lookup(name)
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return var.default
+    try:
+        return var.parse(raw)
+    except ValueError as exc:
+        raise ValueError(f"environment variable {name}={raw!r} is invalid: {exc}") from None
+
+
+def is_set(name: str) -> bool:
+    _lookup(name)
+    return bool(os.environ.get(name))
+
+
+def snapshot(names: Iterable[str] | None = None) -> dict[str, str]:
+    """A copy of the set, declared variables (all launcher variables when names is None)."""
+    if names is None:
+        names = [v.name for v in REGISTRY.values() if v.group == "launcher"]
+    out: dict[str, str] = {}
+    for name in names:
+        value = get_raw(name)
+        if value is not None:
+            out[name] = value
+    return out
+
+
+def set_external(values: Mapping[str, str | int]) -> None:
+    """Write normalised values (e.g. RANK, WORLD_SIZE from an MPI launch) into this process's environment.
+
+    The only place distvideo writes environment variables; used so torch.distributed's env://
+    rendezvous and any library reading torchrun's names see the resolved values.
+    """
+    for name, value in values.items():
+        _lookup(name)
+        os.environ[name] = str(value)
+
+
+def unset(names: Iterable[str]) -> None:
+    for name in names:
+        _lookup(name)
+        os.environ.pop(name, None)

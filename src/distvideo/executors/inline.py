@@ -1,0 +1,49 @@
+"""The inline executor: one rank, in this process."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from distvideo.config import EngineConfig
+from distvideo.executors.base import Executor, collective_error, run_guarded
+from distvideo.models.registry import ModelInfo
+from distvideo.worker import RankInfo, Worker
+
+
+class InlineExecutor(Executor):
+    def __init__(self, config: EngineConfig, model_info: ModelInfo):
+        self.world_size = 1
+        self.worker: Worker | None = Worker(config, RankInfo(), model_info=model_info)
+        try:
+            self.worker.init_device()
+            self.worker.load_model()
+        except BaseException:
+            self.worker.shutdown()
+            self.worker = None
+            raise
+
+    @property
+    def is_output_rank(self) -> bool:
+        return True
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> list[Any]:
+        if self.worker is None:
+            raise RuntimeError("the executor is shut down; create a new VideoGenerator")
+        worker = self.worker
+        status = run_guarded(0, lambda: worker.execute_method(method, *args, **(kwargs or {})))
+        error = collective_error(method, [status])
+        if error is not None:
+            raise error from status.exception
+        return [status.result]
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
+            self.worker = None

@@ -1,0 +1,239 @@
+"""VideoGenerator: the public facade. It validates requests, owns one executor, and writes the video
+on the output rank."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from distvideo.config import ConfigError, EngineConfig, GenerationRequest, LoraSpec
+from distvideo.executors.base import Executor
+from distvideo.launch import launcher_rank_present, read_launch_environ
+from distvideo.logging_utils import configure_logging
+from distvideo.media import resolve_output_path, write_video
+from distvideo.models.registry import ModelInfo, probe_model
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class GenerationResult:
+    frames: np.ndarray | None
+    video_path: str | None
+    seed: int
+    timings: dict[str, float] = field(default_factory=dict)
+    peak_memory_mb: float = 0.0
+    request: GenerationRequest | None = None
+
+
+def embedded_model_path() -> Path:
+    from distvideo.models.tiny import embedded_model_path as path
+
+    return path()
+
+
+def choose_executor(config: EngineConfig, launcher_present: bool) -> str:
+    if config.executor != "auto":
+        return config.executor
+    if launcher_present:
+        return "external"
+    return "mp" if (config.num_gpus or 1) > 1 else "inline"
+
+
+def build_executor(kind: str, config: EngineConfig, info: ModelInfo) -> Executor:
+    if kind == "inline":
+        if (config.num_gpus or 1) != 1:
+            raise ConfigError(f"executor='inline' runs one rank; num_gpus={config.num_gpus} needs executor 'mp'")
+        from distvideo.executors.inline import InlineExecutor
+
+        return InlineExecutor(config, info)
+    if kind == "external":
+        from distvideo.executors.external import ExternalExecutor
+
+        return ExternalExecutor(config, info)
+    if kind == "mp":
+        from distvideo.executors.mp import MultiprocExecutor
+
+        return MultiprocExecutor(config, info)
+    raise ConfigError(f"executor={kind!r} is not supported")
+
+
+class VideoGenerator:
+    """Generate videos with a diffusers-format checkpoint on one or many ranks."""
+
+    def __init__(self, config: EngineConfig, executor: Executor, model_info: ModelInfo):
+        self.config = config
+        self.model_info = model_info
+        self._executor: Executor | None = executor
+        self._finalizer = weakref.finalize(self, executor.shutdown)  # also runs at interpreter exit
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model: str | Path | None = None,
+        *,
+        num_gpus: int | None = None,
+        executor: str = "auto",
+        sp_size: int | None = None,
+        cfg_parallel: bool | None = None,
+        dist_timeout: float | None = None,
+        device: str | None = None,
+        dtype: str | None = None,
+        lora: list[LoraSpec] | None = None,
+    ) -> VideoGenerator:
+        configure_logging()
+        config = EngineConfig(
+            model=str(model) if model is not None else None,
+            num_gpus=num_gpus,
+            executor=executor,
+            sp_size=sp_size,
+            cfg_parallel=cfg_parallel,
+            dist_timeout=dist_timeout,
+            device=device,
+            dtype=dtype,
+            lora=list(lora or []),
+        )
+        return cls.from_config(config)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> VideoGenerator:
+        configure_logging()
+        config.validate()
+        if config.model is None:
+            config = dataclasses.replace(config, model=str(embedded_model_path()))
+        info = probe_model(str(config.model))  # bad paths fail here, before any process or weight
+        kind = choose_executor(config, launcher_rank_present(read_launch_environ()))
+        config = dataclasses.replace(config, executor=kind)
+        start = time.perf_counter()
+        executor = build_executor(kind, config, info)
+        gen = cls(config, executor, info)
+        logger.debug("loaded %s with executor %s in %.2f s", info.path, kind, time.perf_counter() - start)
+        if config.lora:
+            try:
+                gen._apply_lora_specs(config.lora)
+            except BaseException:
+                gen.shutdown()
+                raise
+        return gen
+
+    # -- properties ------------------------------------------------------------------------------
+    @property
+    def executor(self) -> Executor:
+        if self._executor is None:
+            raise RuntimeError("this VideoGenerator is shut down; create a new one with from_pretrained()")
+        return self._executor
+
+    @property
+    def is_output_rank(self) -> bool:
+        return self.executor.is_output_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.executor.world_size
+
+    # -- generation ------------------------------------------------------------------------------
+    def generate(
+        self,
+        prompt: str,
+        *,
+        negative_prompt: str | None = None,
+        num_frames: int | None = None,
+        height: int | None = None,
+        width: int | None = None,
+        num_inference_steps: int | None = None,
+        guidance_scale: float | None = None,
+        seed: int = 0,
+        fps: int = 16,
+        output_path: str | None = None,
+        save_video: bool = True,
+        return_frames: bool = True,
+        max_sequence_length: int = 512,
+    ) -> GenerationResult:
+        request = GenerationRequest(
+            prompt=prompt,
+            negative_prompt=negative_prompt,
+            num_frames=num_frames,
+            height=height,
+            width=width,
+            num_inference_steps=num_inference_steps,
+            guidance_scale=guidance_scale,
+            seed=seed,
+            fps=fps,
+            output_path=output_path,
+            save_video=save_video,
+            return_frames=return_frames,
+            max_sequence_length=max_sequence_length,
+        )
+        return self.generate_request(request)
+
+    def generate_request(self, request: GenerationRequest) -> GenerationResult:
+        start = time.perf_counter()
+        request = self.model_info.resolve_request(request)  # bad input fails here, before any work
+        executor = self.executor
+        executor.ensure_consistent("generate", request.digest_fields())
+        out = executor.execute_forward(request)
+        timings = dict(out.timings)
+        video_path: str | None = None
+        frames = out.frames if executor.is_output_rank else None
+        if executor.is_output_rank and request.save_video and frames is not None:
+            t0 = time.perf_counter()
+            target = resolve_output_path(request.output_path, request.prompt, request.seed)
+            video_path = str(write_video(frames, target, fps=request.fps))
+            timings["video_writing"] = time.perf_counter() - t0
+        timings["total"] = time.perf_counter() - start
+        if executor.is_output_rank:
+            logger.info(
+                "generated %d frames %dx%d in %.2f s (denoising %.2f s, decoding %.2f s)%s",
+                request.num_frames,
+                request.width,
+                request.height,
+                timings["total"],
+                timings.get("denoising", 0.0),
+                timings.get("decoding", 0.0),
+                f" -> {video_path}" if video_path else "",
+            )
+        elif not getattr(self, "_told_output_rank", False):
+            logger.info("frames and video belong to rank %d; this rank returns none", executor.output_rank)
+            self._told_output_rank = True
+        return GenerationResult(
+            frames=frames if request.return_frames else None,
+            video_path=video_path,
+            seed=request.seed,
+            timings=timings,
+            peak_memory_mb=out.peak_memory_mb,
+            request=request,
+        )
+
+    # -- control plane ---------------------------------------------------------------------------
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> list[Any]:
+        return self.executor.collective_rpc(method, args=args, kwargs=kwargs, timeout=timeout)
+
+    # -- LoRA (filled in by the LoRA work) -------------------------------------------------------
+    def _apply_lora_specs(self, specs: list[LoraSpec]) -> None:
+        raise ConfigError("--lora: LoRA adapters are not supported yet in this version of distvideo")
+
+    # -- life cycle ------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor = None
+            self._finalizer()
+
+    def __enter__(self) -> VideoGenerator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -1,0 +1,194 @@
+"""Wan2.1 text-to-video as explicit stages over one batch dataclass.
+
+validate -> encode text -> timesteps -> latents -> denoise (classifier-free guidance) -> VAE decode
+-> uint8 frames. The arithmetic follows diffusers' WanPipeline step for step, so the same seed gives
+the same frames; the stages are the seams where parallel plans shard and gather.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+from diffusers.utils.torch_utils import randn_tensor
+from tqdm.auto import tqdm
+
+from distvideo.config import GenerationRequest
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WanBatch:
+    """Everything one request accumulates on its way through the stages."""
+
+    request: GenerationRequest
+    do_cfg: bool = False
+    prompt_embeds: torch.Tensor | None = None
+    negative_prompt_embeds: torch.Tensor | None = None
+    timesteps: torch.Tensor | None = None
+    scheduler: Any = None
+    latents: torch.Tensor | None = None
+    video: torch.Tensor | None = None
+    frames: np.ndarray | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class WanT2VPipeline:
+    """Runs one request on one rank. Parallel plans (sequence/CFG parallel, parallel VAE) are applied
+    to the components by the worker; the stages below stay the algorithm."""
+
+    def __init__(self, components: dict[str, Any], device: torch.device, *, show_progress: bool = True):
+        self.tokenizer = components["tokenizer"]
+        self.text_encoder = components["text_encoder"].to(device).eval()
+        self.transformer = components["transformer"].to(device).eval()
+        self.vae = components["vae"].to(device).eval()
+        self.scheduler_config = components["scheduler"].config
+        self.scheduler_cls = type(components["scheduler"])
+        self.device = device
+        self.show_progress = show_progress
+        self.vae_scale_temporal = int(self.vae.config.scale_factor_temporal)
+        self.vae_scale_spatial = int(self.vae.config.scale_factor_spatial)
+        # the decode constants are fixed per model: build them once, not per request
+        z = self.vae.config.z_dim
+        self._latents_mean = torch.tensor(self.vae.config.latents_mean).view(1, z, 1, 1, 1)
+        self._latents_std = 1.0 / torch.tensor(self.vae.config.latents_std).view(1, z, 1, 1, 1)
+
+    # -- stages ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_text(self, batch: WanBatch) -> None:
+        req = batch.request
+        batch.prompt_embeds = self._t5_embeds(req.prompt, req.max_sequence_length)
+        if batch.do_cfg:
+            batch.negative_prompt_embeds = self._t5_embeds(req.negative_prompt or "", req.max_sequence_length)
+
+    def _t5_embeds(self, text: str, max_len: int) -> torch.Tensor:
+        inputs = self.tokenizer(
+            [prompt_clean(text)],
+            padding="max_length",
+            max_length=max_len,
+            truncation=True,
+            add_special_tokens=True,
+            return_attention_mask=True,
+            return_tensors="pt",
+        )
+        ids, mask = inputs.input_ids, inputs.attention_mask
+        seq_len = int(mask.gt(0).sum(dim=1)[0])
+        hidden = self.text_encoder(ids.to(self.device), mask.to(self.device)).last_hidden_state
+        hidden = hidden.to(dtype=self.transformer.dtype)
+        # zero the padding positions, as WanPipeline does: the transformer sees exact zeros there
+        out = torch.zeros_like(hidden)
+        out[:, :seq_len] = hidden[:, :seq_len]
+        return out
+
+    def prepare_timesteps(self, batch: WanBatch) -> None:
+        scheduler = self.scheduler_cls.from_config(self.scheduler_config)  # fresh state per request
+        scheduler.set_timesteps(batch.request.num_inference_steps, device=self.device)
+        scheduler.set_begin_index(0)
+        batch.scheduler = scheduler
+        batch.timesteps = scheduler.timesteps
+
+    def latent_shape(self, request: GenerationRequest) -> tuple[int, int, int, int, int]:
+        assert request.num_frames is not None and request.height is not None and request.width is not None
+        return (
+            1,
+            int(self.transformer.config.in_channels),
+            (request.num_frames - 1) // self.vae_scale_temporal + 1,
+            request.height // self.vae_scale_spatial,
+            request.width // self.vae_scale_spatial,
+        )
+
+    def prepare_latents(self, batch: WanBatch) -> None:
+        # drawn on a CPU generator seeded by the request: every rank draws the same noise, no broadcast
+        generator = torch.Generator("cpu").manual_seed(batch.request.seed)
+        batch.latents = randn_tensor(
+            self.latent_shape(batch.request), generator=generator, device=self.device, dtype=torch.float32
+        )
+
+    def predict_noise(self, latents: torch.Tensor, t: torch.Tensor, batch: WanBatch) -> torch.Tensor:
+        """The guided noise prediction for one step (CFG parallelism replaces this method's body)."""
+        model_input = latents.to(self.transformer.dtype)
+        timestep = t.expand(latents.shape[0])
+        cond = self.transformer(
+            hidden_states=model_input,
+            timestep=timestep,
+            encoder_hidden_states=batch.prompt_embeds,
+            return_dict=False,
+        )[0]
+        if not batch.do_cfg:
+            return cond
+        uncond = self.transformer(
+            hidden_states=model_input,
+            timestep=timestep,
+            encoder_hidden_states=batch.negative_prompt_embeds,
+            return_dict=False,
+        )[0]
+        return uncond + batch.request.guidance_scale * (cond - uncond)
+
+    @torch.no_grad()
+    def denoise(self, batch: WanBatch) -> None:
+        assert batch.latents is not None and batch.timesteps is not None
+        latents = batch.latents
+        with self._progress(len(batch.timesteps)) as bar:
+            for t in batch.timesteps:
+                noise_pred = self.predict_noise(latents, t, batch)
+                latents = batch.scheduler.step(noise_pred, t, latents, return_dict=False)[0]
+                bar.update()
+        batch.latents = latents
+
+    @torch.no_grad()
+    def decode(self, batch: WanBatch) -> None:
+        assert batch.latents is not None
+        latents = batch.latents.to(self.device, dtype=self.vae.dtype)
+        mean = self._latents_mean.to(latents.device, latents.dtype)
+        std = self._latents_std.to(latents.device, latents.dtype)
+        latents = latents / std + mean
+        batch.video = self.vae.decode(latents, return_dict=False)[0]
+
+    def to_frames(self, batch: WanBatch) -> None:
+        assert batch.video is not None
+        video = (batch.video[0].float() / 2 + 0.5).clamp(0, 1)  # (C, T, H, W) in [0, 1]
+        frames = video.permute(1, 2, 3, 0).mul(255).round().to(torch.uint8)
+        batch.frames = frames.cpu().numpy()
+
+    # -- driver ----------------------------------------------------------------------------------
+    def __call__(self, request: GenerationRequest) -> WanBatch:
+        """Run all stages for a request whose fields are resolved (see ModelInfo.resolve_request)."""
+        assert request.guidance_scale is not None
+        batch = WanBatch(request=request, do_cfg=request.guidance_scale > 1.0)
+        with self._timed(batch, "text_encoding"):
+            self.encode_text(batch)
+        with self._timed(batch, "timesteps"):
+            self.prepare_timesteps(batch)
+        with self._timed(batch, "latents"):
+            self.prepare_latents(batch)
+        with self._timed(batch, "denoising"):
+            self.denoise(batch)
+        with self._timed(batch, "decoding"):
+            self.decode(batch)
+        with self._timed(batch, "frames"):
+            self.to_frames(batch)
+        batch.timings["per_step_denoising"] = batch.timings["denoising"] / max(1, len(batch.timesteps))
+        return batch
+
+    @contextmanager
+    def _timed(self, batch: WanBatch, name: str) -> Iterator[None]:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        yield
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        batch.timings[name] = time.perf_counter() - start
+
+    def _progress(self, total: int) -> Any:
+        enabled = self.show_progress and sys.stderr.isatty()
+        return tqdm(total=total, desc="denoising", unit="step", file=sys.stderr, disable=not enabled, leave=False)
