@@ -20,6 +20,7 @@ from distvideo.launch import launcher_rank_present, read_launch_environ
 from distvideo.logging_utils import configure_logging
 from distvideo.media import resolve_output_path, write_video
 from distvideo.models.registry import ModelInfo, probe_model
+from distvideo.parallel.layout import resolve_layout
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,15 @@ def choose_executor(config: EngineConfig, launcher_present: bool) -> str:
     if launcher_present:
         return "external"
     return "mp" if (config.num_gpus or 1) > 1 else "inline"
+
+
+def world_size_for(kind: str, config: EngineConfig) -> int:
+    """How many ranks executor `kind` will run, known before any process starts or weight loads."""
+    if kind == "external":
+        from distvideo.executors.external import resolve_external_env
+
+        return resolve_external_env(config).world_size
+    return config.num_gpus or 1
 
 
 def build_executor(kind: str, config: EngineConfig, info: ModelInfo) -> Executor:
@@ -103,15 +113,27 @@ class VideoGenerator:
         )
         return cls.from_config(config)
 
-    @classmethod
-    def from_config(cls, config: EngineConfig) -> VideoGenerator:
-        configure_logging()
+    @staticmethod
+    def probe(config: EngineConfig) -> tuple[EngineConfig, ModelInfo]:
+        """Validate the engine config and read the model's JSON files (no weights, no processes)."""
         config.validate()
         if config.model is None:
             config = dataclasses.replace(config, model=str(embedded_model_path()))
-        info = probe_model(str(config.model))  # bad paths fail here, before any process or weight
+        return config, probe_model(str(config.model))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> VideoGenerator:
+        configure_logging()
+        config, info = cls.probe(config)  # bad paths fail here, before any process or weight
         kind = choose_executor(config, launcher_rank_present(read_launch_environ()))
         config = dataclasses.replace(config, executor=kind)
+        layout = resolve_layout(  # impossible layouts fail here too, before any process or weight
+            world_size_for(kind, config),
+            sp_size=config.sp_size,
+            cfg_parallel=config.cfg_parallel,
+            num_heads=info.num_attention_heads,
+        )
+        logger.debug("parallel layout: %s", layout.describe())
         start = time.perf_counter()
         executor = build_executor(kind, config, info)
         gen = cls(config, executor, info)

@@ -75,7 +75,7 @@ def write_video(
     path: str | Path,
     fps: int = 16,
     *,
-    encode: Callable[[np.ndarray, Path, int], None] = _encode_mp4,
+    encode: Callable[[np.ndarray, Path, int], None] | None = None,
 ) -> Path:
     """Write uint8 frames (T, H, W, 3) to `path` atomically and return the final path.
 
@@ -92,7 +92,7 @@ def write_video(
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.stem}.{os.getpid()}.partial.mp4")
     try:
-        encode(frames, tmp, fps)
+        (encode or _encode_mp4)(frames, tmp, fps)
         while True:
             try:
                 os.link(tmp, target)  # atomic and never overwrites

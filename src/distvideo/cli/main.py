@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--config", help="YAML or JSON file with 'engine' and 'request' sections; flags override it")
     gen.add_argument("--no-progress", action="store_true", help="no progress bar")
     gen.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING or ERROR")
+    from distvideo.cli.bench import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 
@@ -111,9 +114,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         from distvideo import envs
 
         envs.set_external({"DISTVIDEO_NO_PROGRESS": "1"})
+    # check the request against the model's JSON files before any process starts or weight loads
+    _, info = VideoGenerator.probe(engine_config)
+    info.resolve_request(request)
     with VideoGenerator.from_config(engine_config) as gen:
-        # resolve against the model first so a bad size fails before the first collective
-        gen.model_info.resolve_request(request)
         result = gen.generate_request(request)
         if gen.is_output_rank and result.video_path:
             print(result.video_path, flush=True)

@@ -7,13 +7,14 @@ the same frames; the stages are the seams where parallel plans shard and gather.
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -22,6 +23,9 @@ from diffusers.utils.torch_utils import randn_tensor
 from tqdm.auto import tqdm
 
 from distvideo.config import GenerationRequest
+
+if TYPE_CHECKING:
+    from distvideo.parallel.context import ParallelContext
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +50,15 @@ class WanT2VPipeline:
     """Runs one request on one rank. Parallel plans (sequence/CFG parallel, parallel VAE) are applied
     to the components by the worker; the stages below stay the algorithm."""
 
-    def __init__(self, components: dict[str, Any], device: torch.device, *, show_progress: bool = True):
+    def __init__(
+        self,
+        components: dict[str, Any],
+        device: torch.device,
+        *,
+        show_progress: bool = True,
+        parallel: ParallelContext | None = None,  # None: one rank
+    ):
+        self.parallel = parallel
         self.tokenizer = components["tokenizer"]
         self.text_encoder = components["text_encoder"].to(device).eval()
         self.transformer = components["transformer"].to(device).eval()
@@ -66,6 +78,12 @@ class WanT2VPipeline:
     @torch.no_grad()
     def encode_text(self, batch: WanBatch) -> None:
         req = batch.request
+        if self.parallel is not None:  # under CFG parallelism each half encodes only its branch's text
+            negative = (req.negative_prompt or "") if batch.do_cfg else None
+            batch.prompt_embeds, batch.negative_prompt_embeds = self.parallel.encode_text(
+                functools.partial(self._t5_embeds, max_len=req.max_sequence_length), req.prompt, negative
+            )
+            return
         batch.prompt_embeds = self._t5_embeds(req.prompt, req.max_sequence_length)
         if batch.do_cfg:
             batch.negative_prompt_embeds = self._t5_embeds(req.negative_prompt or "", req.max_sequence_length)
@@ -114,23 +132,25 @@ class WanT2VPipeline:
         )
 
     def predict_noise(self, latents: torch.Tensor, t: torch.Tensor, batch: WanBatch) -> torch.Tensor:
-        """The guided noise prediction for one step (CFG parallelism replaces this method's body)."""
+        """The guided noise prediction for one step."""
         model_input = latents.to(self.transformer.dtype)
         timestep = t.expand(latents.shape[0])
-        cond = self.transformer(
-            hidden_states=model_input,
-            timestep=timestep,
-            encoder_hidden_states=batch.prompt_embeds,
-            return_dict=False,
-        )[0]
-        if not batch.do_cfg:
+
+        def noise(embeds: torch.Tensor) -> torch.Tensor:
+            return self.transformer(
+                hidden_states=model_input, timestep=timestep, encoder_hidden_states=embeds, return_dict=False
+            )[0]
+
+        if self.parallel is not None and self.parallel.cfg_parallel:
+            # CFG parallelism: this rank runs one branch; one all-gather per step brings the other
+            cond, uncond = self.parallel.cfg_branches(
+                noise, batch.prompt_embeds, batch.negative_prompt_embeds, batch.do_cfg
+            )
+        else:
+            cond = noise(batch.prompt_embeds)
+            uncond = noise(batch.negative_prompt_embeds) if batch.do_cfg else None
+        if uncond is None:
             return cond
-        uncond = self.transformer(
-            hidden_states=model_input,
-            timestep=timestep,
-            encoder_hidden_states=batch.negative_prompt_embeds,
-            return_dict=False,
-        )[0]
         return uncond + batch.request.guidance_scale * (cond - uncond)
 
     @torch.no_grad()
@@ -151,10 +171,14 @@ class WanT2VPipeline:
         mean = self._latents_mean.to(latents.device, latents.dtype)
         std = self._latents_std.to(latents.device, latents.dtype)
         latents = latents / std + mean
-        batch.video = self.vae.decode(latents, return_dict=False)[0]
+        if self.parallel is not None:  # every rank decodes a band of rows; the video lands on rank 0 only
+            batch.video = self.parallel.decode(latents)
+        else:
+            batch.video = self.vae.decode(latents, return_dict=False)[0]
 
     def to_frames(self, batch: WanBatch) -> None:
-        assert batch.video is not None
+        if batch.video is None:  # a rank that does not hold the output
+            return
         video = (batch.video[0].float() / 2 + 0.5).clamp(0, 1)  # (C, T, H, W) in [0, 1]
         frames = video.permute(1, 2, 3, 0).mul(255).round().to(torch.uint8)
         batch.frames = frames.cpu().numpy()

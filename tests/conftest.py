@@ -1,0 +1,60 @@
+"""Shared fixtures: small random-weight checkpoints built by the repo's own builder (nothing is downloaded)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("DISTVIDEO_NO_PROGRESS", "1")
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def embedded_model() -> Path:
+    from distvideo.models.tiny import embedded_model_path
+
+    return embedded_model_path()
+
+
+@pytest.fixture(scope="session")
+def test_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """4 transformer layers, UniPC scheduler (the real Wan2.1 scheduler config)."""
+    from distvideo.models.tiny import build_test_checkpoint
+
+    return build_test_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-wan-4l")
+
+
+def diffusers_frames(model: Path, prompt: str, **kwargs) -> np.ndarray:  # noqa: F821
+    """diffusers' WanPipeline frames as uint8 (output_type='np', times 255, rounded)."""
+    import numpy as np
+    import torch
+    from diffusers import WanPipeline
+
+    seed = kwargs.pop("seed", 0)
+    pipe = WanPipeline.from_pretrained(str(model))
+    pipe.set_progress_bar_config(disable=True)
+    out = pipe(prompt, generator=torch.Generator("cpu").manual_seed(seed), output_type="np", **kwargs).frames[0]
+    return np.round(out * 255).astype(np.uint8)
+
+
+def max_abs_diff(a, b) -> int:
+    import numpy as np
+
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return int(np.abs(a.astype(np.int16) - b.astype(np.int16)).max())
+
+
+def read_video(path: str | Path):
+    """Decoded frames (T, H, W, 3) uint8 of an mp4, and its codec and pixel format."""
+    import av
+    import numpy as np
+
+    with av.open(str(path)) as container:
+        stream = container.streams.video[0]
+        codec, pix_fmt = stream.codec_context.name, stream.codec_context.pix_fmt
+        frames = [f.to_ndarray(format="rgb24") for f in container.decode(stream)]
+    return np.stack(frames), codec, pix_fmt

@@ -1,0 +1,64 @@
+"""Run by every rank under a real launcher: the external executor's API behaviour in one launch.
+
+Writes one JSON file per rank into OUT_DIR (argv[1]); rank 0 also saves its frames as frames.npy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from distvideo import VideoGenerator
+from distvideo.executors.external import DivergentCallError
+
+REQUEST = dict(num_frames=5, height=32, width=48, num_inference_steps=2, seed=5)
+
+
+def fail_on_rank_1(worker):
+    if worker.rank == 1:
+        raise ValueError("planted failure on rank 1")
+    return worker.rank
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    report: dict = {}
+    with VideoGenerator.from_pretrained(executor="auto") as gen:
+        rank = gen.executor.rank
+        report["executor"] = type(gen.executor).__name__
+        report["world_size"] = gen.world_size
+        report["is_output_rank"] = gen.is_output_rank
+        report["launcher"] = gen.executor.launch_env.launcher
+        res = gen.generate("a red fox", output_path=str(out / "video.mp4"), **REQUEST)
+        report["video_path"] = res.video_path
+        report["has_frames"] = res.frames is not None
+        if res.frames is not None:
+            np.save(out / "frames.npy", res.frames)
+        report["ranks"] = gen.collective_rpc(lambda w: (w.rank, w.world_size, os.getpid()))
+        try:
+            gen.collective_rpc(fail_on_rank_1)
+            report["failure"] = None
+        except RuntimeError as exc:
+            report["failure"] = str(exc)
+        report["ping_after_failure"] = gen.collective_rpc("ping")
+        try:
+            gen.generate(f"prompt of rank {rank}", save_video=False, **REQUEST)
+            report["divergence"] = None
+        except DivergentCallError as exc:
+            report["divergence"] = str(exc)
+        try:
+            gen.collective_rpc("ping", timeout=5)
+            report["timeout"] = None
+        except NotImplementedError as exc:
+            report["timeout"] = str(exc)
+        report["broadcast"] = gen.executor.broadcast_from_output_rank(f"from rank {rank}")
+        report["ping_at_end"] = gen.collective_rpc("ping")
+    (out / f"rank{rank}.json").write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

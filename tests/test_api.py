@@ -1,0 +1,62 @@
+"""The public API on the inline executor: results, collective_rpc, life cycle."""
+
+from __future__ import annotations
+
+import pytest
+
+from distvideo import ConfigError, VideoGenerator
+from distvideo.executors.base import RankFailure
+
+
+@pytest.fixture(scope="module")
+def gen(embedded_model):
+    with VideoGenerator.from_pretrained(executor="inline") as g:
+        yield g
+
+
+def test_default_model_is_embedded(gen, embedded_model):
+    assert gen.model_info.path == embedded_model.resolve()
+
+
+def test_result_fields(gen, tmp_path):
+    res = gen.generate("a boat", num_frames=5, height=32, width=32, num_inference_steps=2, output_path=str(tmp_path))
+    assert res.frames.shape == (5, 32, 32, 3) and res.frames.dtype.name == "uint8"
+    assert res.video_path is not None and res.video_path.endswith("a_boat_seed0.mp4")
+    assert {"text_encoding", "denoising", "decoding", "total"} <= set(res.timings)
+    assert res.timings["total"] >= res.timings["denoising"] > 0
+    assert res.peak_memory_mb > 0 and res.seed == 0
+    assert gen.is_output_rank
+
+
+def test_no_save_no_frames(gen, tmp_path):
+    res = gen.generate(
+        "a boat", num_frames=5, height=32, width=32, num_inference_steps=1, save_video=False, return_frames=False
+    )
+    assert res.frames is None and res.video_path is None
+
+
+def test_collective_rpc_method_and_callable(gen):
+    assert gen.collective_rpc("ping") == [0]
+    assert gen.collective_rpc(lambda w, x: (w.rank, w.world_size, str(w.device), x), args=(5,)) == [(0, 1, "cpu", 5)]
+
+
+def test_collective_rpc_failure_names_rank_and_stays_usable(gen):
+    def boom(worker):
+        raise ValueError("planted failure")
+
+    with pytest.raises(RankFailure, match=r"rank 0: ValueError: planted failure"):
+        gen.collective_rpc(boom)
+    assert gen.collective_rpc("ping") == [0]
+
+
+def test_bad_request_fails_before_work(gen):
+    with pytest.raises(ConfigError, match="height=40"):
+        gen.generate("x", height=40)
+
+
+def test_shutdown_is_idempotent(embedded_model):
+    g = VideoGenerator.from_pretrained(embedded_model, executor="inline")
+    g.shutdown()
+    g.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        g.generate("x")

@@ -1,0 +1,121 @@
+"""The `distvideo generate` command end to end: a decodable mp4, exit codes, and bad input refused early."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from distvideo.cli.main import main
+
+from conftest import read_video
+
+SMALL = ["--num-frames", "5", "--height", "32", "--width", "48", "--steps", "2"]
+
+
+def test_generate_writes_playable_mp4(tmp_path, embedded_model):
+    out = tmp_path / "clip.mp4"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "distvideo",
+            "generate",
+            "--prompt",
+            "a fox",
+            "--output",
+            str(out),
+            "--no-progress",
+            *SMALL,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == str(out)
+    frames, codec, pix_fmt = read_video(out)
+    assert frames.shape == (5, 32, 48, 3)
+    assert (codec, pix_fmt) == ("h264", "yuv420p")
+    assert list(tmp_path.iterdir()) == [out], "a temporary file was left beside the video"
+
+
+def test_output_folder_names_file_from_prompt_and_never_overwrites(tmp_path, capsys):
+    args = ["generate", "--prompt", "A Cat, on a Boat!", "--output", str(tmp_path / "vids"), *SMALL, "--seed", "4"]
+    assert main(args) == 0
+    assert main(args) == 0
+    printed = capsys.readouterr().out.split()
+    assert [Path(p).name for p in printed] == ["a_cat_on_a_boat_seed4.mp4", "a_cat_on_a_boat_seed4_1.mp4"]
+    assert sorted(p.name for p in (tmp_path / "vids").iterdir()) == sorted(Path(p).name for p in printed)
+
+
+BAD_INPUTS = [
+    (["--height", "50"], "height"),
+    (["--width", "40"], "width"),
+    (["--num-frames", "10"], "num_frames"),
+    (["--steps", "0"], "num_inference_steps"),
+    (["--guidance-scale", "-1"], "guidance_scale"),
+    (["--prompt", "  "], "prompt"),
+    (["--model", "/nonexistent/model"], "--model"),
+    (["--executor", "inline", "--num-gpus", "2"], "num_gpus"),
+]
+
+
+@pytest.mark.parametrize(("extra", "named"), BAD_INPUTS, ids=[n for _, n in BAD_INPUTS])
+def test_bad_input_exits_2_naming_parameter_before_model_work(extra, named, tmp_path, capsys, monkeypatch):
+    import distvideo.worker
+
+    def no_loading(*a, **k):
+        raise AssertionError("model weights were loaded for a bad request")
+
+    monkeypatch.setattr(distvideo.worker, "load_components", no_loading)
+    out = tmp_path / "never.mp4"
+    args = ["generate", "--prompt", "a fox", "--output", str(out), "--num-frames", "5", "--height", "32"]
+    args += ["--width", "32", *extra]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert named in err
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_folder_that_is_not_a_checkpoint_exits_2(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    assert main(["generate", "--prompt", "x", "--model", str(tmp_path / "empty")]) == 2
+    assert "model_index.json" in capsys.readouterr().err
+
+
+def test_unknown_model_class_lists_supported(tmp_path, capsys):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "model_index.json").write_text('{"_class_name": "FluxPipeline"}')
+    assert main(["generate", "--prompt", "x", "--model", str(tmp_path / "m")]) == 2
+    err = capsys.readouterr().err
+    assert "FluxPipeline" in err and "WanPipeline" in err
+
+
+def test_bad_input_real_process_exit_code(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "distvideo", "generate", "--prompt", "x", "--num-frames", "8"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 2
+    assert "num_frames=8" in proc.stderr and "4k+1" in proc.stderr
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_failure_during_encoding_leaves_no_file(tmp_path, capsys, monkeypatch):
+    import distvideo.media
+
+    def broken_encoder(frames, path, fps):
+        path.write_bytes(b"\x00" * 1000)  # a partial file, as a crash mid-encode would leave
+        raise OSError("disk full (injected)")
+
+    monkeypatch.setattr(distvideo.media, "_encode_mp4", broken_encoder)
+    out = tmp_path / "clip.mp4"
+    assert main(["generate", "--prompt", "x", "--output", str(out), *SMALL]) == 1
+    assert "disk full" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
