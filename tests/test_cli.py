@@ -110,8 +110,8 @@ def test_bad_input_real_process_exit_code(tmp_path):
 def test_failure_during_encoding_leaves_no_file(tmp_path, capsys, monkeypatch):
     import distvideo.media
 
-    def broken_encoder(frames, path, fps):
-        path.write_bytes(b"\x00" * 1000)  # a partial file, as a crash mid-encode would leave
+    def broken_encoder(frames, file, fps):
+        file.write(b"\x00" * 1000)  # a partial file, as a crash mid-encode would leave
         raise OSError("disk full (injected)")
 
     monkeypatch.setattr(distvideo.media, "_encode_mp4", broken_encoder)

@@ -39,8 +39,8 @@ def test_write_video_roundtrip(tmp_path):
 def test_write_video_never_overwrites_a_file_that_appeared(tmp_path):
     target = tmp_path / "v.mp4"
 
-    def encode_then_race(fr, path, fps):
-        path.write_bytes(b"video")
+    def encode_then_race(fr, file, fps):
+        file.write(b"video")
         target.write_bytes(b"someone else's")  # appears while we encode
 
     final = write_video(frames(), target, encode=encode_then_race)
@@ -49,8 +49,8 @@ def test_write_video_never_overwrites_a_file_that_appeared(tmp_path):
 
 
 def test_write_video_failure_leaves_nothing(tmp_path):
-    def crash(fr, path, fps):
-        path.write_bytes(b"partial")
+    def crash(fr, file, fps):
+        file.write(b"partial")
         raise RuntimeError("encoder crashed")
 
     with pytest.raises(RuntimeError, match="encoder crashed"):
@@ -61,4 +61,27 @@ def test_write_video_failure_leaves_nothing(tmp_path):
 def test_write_video_rejects_bad_frames(tmp_path):
     with pytest.raises(ValueError, match="uint8"):
         write_video(frames().astype(np.float32), tmp_path / "v.mp4")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_killed_while_encoding_leaves_nothing(tmp_path):
+    """SIGKILL in the middle of encoding: no file at or beside the output path."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    code = (
+        "import sys, time, numpy as np\n"
+        "from distvideo.media import write_video\n"
+        "def slow(frames, file, fps):\n"
+        "    file.write(b'x' * 4096); file.flush(); print('encoding', flush=True); time.sleep(60)\n"
+        f"write_video(np.zeros((1, 8, 8, 3), np.uint8), {str(tmp_path / 'v.mp4')!r}, encode=slow)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "encoding"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    time.sleep(0.1)
     assert list(tmp_path.iterdir()) == []

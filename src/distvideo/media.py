@@ -1,17 +1,21 @@
 """Video files: choosing the output path and writing MP4 (H.264, yuv420p) atomically.
 
-A video is encoded into a temporary file in the target folder and moved into place only when
-complete, so a crash never leaves a partial file at the output path; an existing file is never
-overwritten.
+A video is encoded into a file that has no name yet (Linux O_TMPFILE; elsewhere a hidden temporary
+file) in the target folder and linked into place only when complete, so a crash, even SIGKILL, never
+leaves a partial file at the output path; an existing file is never overwritten.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import re
 import unicodedata
+import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -48,26 +52,63 @@ def _first_free(target: Path) -> Path:
         n += 1
 
 
-def _encode_mp4(frames: np.ndarray, path: Path, fps: int) -> None:
-    import imageio_ffmpeg
+def _encode_mp4(frames: np.ndarray, file: BinaryIO, fps: int) -> None:
+    """H.264 in MP4, yuv420p (plays in browsers), with PyAV into a seekable file object."""
+    import av
 
     t, h, w, _ = frames.shape
-    writer = imageio_ffmpeg.write_frames(
-        str(path),
-        (w, h),
-        fps=fps,
-        codec="libx264",
-        pix_fmt_in="rgb24",
-        pix_fmt_out="yuv420p",
-        macro_block_size=1,
-        quality=None,
-        output_params=["-f", "mp4", "-crf", "18", "-movflags", "+faststart"],
-        ffmpeg_log_level="error",
-    )
-    writer.send(None)
-    for i in range(t):
-        writer.send(np.ascontiguousarray(frames[i]))
-    writer.close()
+    with av.open(file, mode="w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=fps, options={"crf": "18", "preset": "medium"})
+        stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
+        for i in range(t):
+            frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(frames[i]), format="rgb24")
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode(None))
+
+
+class _PendingFile:
+    """A file that has no name until `publish`: an O_TMPFILE inode where the filesystem supports it
+    (if the process is killed, nothing at all is left), else a hidden temporary beside the target."""
+
+    def __init__(self, folder: Path):
+        self.named: Path | None = None
+        try:
+            fd = os.open(folder, os.O_TMPFILE | os.O_RDWR, 0o644)
+        except (AttributeError, OSError):
+            self.named = folder / f".distvideo-{os.getpid()}-{uuid.uuid4().hex[:8]}.partial.mp4"
+            fd = os.open(self.named, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
+        self.file: BinaryIO = os.fdopen(fd, "w+b")
+
+    def _link(self, target: Path) -> None:
+        """Give the file the name `target`; FileExistsError if it is taken (never overwrites)."""
+        if self.named is not None:
+            os.link(self.named, target)
+            return
+        # linkat(AT_SYMLINK_FOLLOW) on /proc/self/fd/N names an O_TMPFILE inode; os.link does not pass the flag
+        ret = _libc().linkat(-100, f"/proc/self/fd/{self.file.fileno()}".encode(), -100, bytes(target), 0x400)
+        if ret != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err), str(target))
+
+    def publish(self, target: Path) -> Path:
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        while True:
+            try:
+                self._link(target)
+                return target
+            except FileExistsError:
+                target = _first_free(target)
+
+    def discard(self) -> None:
+        self.file.close()
+        if self.named is not None:
+            self.named.unlink(missing_ok=True)
+
+
+@functools.lru_cache(maxsize=1)
+def _libc() -> Any:
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def write_video(
@@ -75,13 +116,13 @@ def write_video(
     path: str | Path,
     fps: int = 16,
     *,
-    encode: Callable[[np.ndarray, Path, int], None] | None = None,
+    encode: Callable[[np.ndarray, BinaryIO, int], None] | None = None,
 ) -> Path:
     """Write uint8 frames (T, H, W, 3) to `path` atomically and return the final path.
 
-    The video goes to a hidden temporary file beside `path` and is linked into place only after the
-    encoder finished; if `path` appeared meanwhile the next free `_N` name is used. On any failure the
-    temporary file is removed and nothing exists at `path`.
+    The video is encoded into a file without a name (or a hidden temporary one) in the target folder
+    and linked into place only after the encoder finished; linking never overwrites, so if `path`
+    appeared meanwhile the next free `_N` name is used. On any failure nothing exists at `path`.
     """
     frames = np.asarray(frames)
     if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3:
@@ -90,21 +131,9 @@ def write_video(
         raise ValueError(f"H.264 yuv420p needs even height and width, got {frames.shape[1]}x{frames.shape[2]}")
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.stem}.{os.getpid()}.partial.mp4")
+    pending = _PendingFile(target.parent)
     try:
-        (encode or _encode_mp4)(frames, tmp, fps)
-        while True:
-            try:
-                os.link(tmp, target)  # atomic and never overwrites
-                break
-            except FileExistsError:
-                target = _first_free(target)
-            except OSError:  # a filesystem without hard links: check, then rename
-                if target.exists():
-                    target = _first_free(target)
-                    continue
-                os.replace(tmp, target)
-                break
+        (encode or _encode_mp4)(frames, pending.file, fps)
+        return pending.publish(target)
     finally:
-        tmp.unlink(missing_ok=True)
-    return target
+        pending.discard()
