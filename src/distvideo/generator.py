@@ -244,9 +244,43 @@ class VideoGenerator:
     ) -> list[Any]:
         return self.executor.collective_rpc(method, args=args, kwargs=kwargs, timeout=timeout)
 
-    # -- LoRA (filled in by the LoRA work) -------------------------------------------------------
+    # -- LoRA (distvideo.lora; docs/lora.md) ----------------------------------------------------
+    def set_lora_adapter(
+        self, nickname: str, path: str | Path | None = None, strength: float = 1.0, accumulate: bool = False
+    ) -> None:
+        """Load (and cache under `nickname`) a LoRA file, or switch to a cached one with path=None, and activate it
+        merged into the weights: on top of the active adapters with accumulate=True, else replacing them. Every
+        rank loads and checks it first; on any failure no rank changes its weights and all raise the same error."""
+        from distvideo.lora.control import set_lora_adapter
+
+        set_lora_adapter(self.executor, nickname, path, strength, accumulate)
+
+    def unmerge_lora_weights(self) -> None:
+        """Restore the exact base weights; the active adapters keep applying on the fly."""
+        from distvideo.lora.control import unmerge_weights
+
+        unmerge_weights(self.executor)
+
+    def merge_lora_weights(self) -> None:
+        """Fold the active adapters into the weights again (computed from the saved base weights)."""
+        from distvideo.lora.control import merge_weights
+
+        merge_weights(self.executor)
+
+    def clear_lora_adapters(self) -> None:
+        """Deactivate every adapter; the weights become bit-identical to the base. Cached adapters stay."""
+        from distvideo.lora.control import clear_adapters
+
+        clear_adapters(self.executor)
+
     def _apply_lora_specs(self, specs: list[LoraSpec]) -> None:
-        raise ConfigError("--lora: LoRA adapters are not supported yet in this version of distvideo")
+        """--lora / engine.lora: the first adapter replaces, the following ones stack; nicknames are file stems."""
+        taken: set[str] = set()
+        for i, spec in enumerate(specs):
+            stem = Path(spec.path).stem or "lora"
+            nickname = stem if stem not in taken else f"{stem}#{i}"
+            taken.add(nickname)
+            self.set_lora_adapter(nickname, spec.path, strength=spec.strength, accumulate=i > 0)
 
     # -- life cycle ------------------------------------------------------------------------------
     def shutdown(self) -> None:

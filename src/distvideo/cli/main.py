@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -124,6 +127,33 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a launcher or scheduler stopping the job), handled like Ctrl-C so cleanup runs."""
+
+    exit_code = 143
+
+
+_HARD_EXIT_AFTER_S = 8.0
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    # Cleanup (shutting down workers, destroying the process group) runs as the exception unwinds; if it
+    # is stuck (a peer that will never answer), end the process anyway so a stop never hangs.
+    timer = threading.Timer(_HARD_EXIT_AFTER_S, os._exit, args=(128 + signum,))
+    timer.daemon = True
+    timer.start()
+    if signum == signal.SIGTERM:
+        raise Terminated()
+    raise KeyboardInterrupt()
+
+
+def install_signal_handlers() -> dict[int, Any]:
+    """Route SIGTERM and SIGINT through `_on_signal`; returns the previous handlers to restore."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from distvideo.logging_utils import configure_logging
 
@@ -133,6 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:
         return int(exc.code or 0)
     configure_logging(getattr(args, "log_level", None))
+    previous_handlers = install_signal_handlers()
     try:
         if args.command == "generate":
             return cmd_generate(args)
@@ -144,11 +175,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"distvideo: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
-        print("distvideo: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        code = exc.exit_code if isinstance(exc, Terminated) else 130
+        print(f"distvideo: interrupted ({'SIGTERM' if code == 143 else 'SIGINT'}); stopped", file=sys.stderr)
+        return code
     except Exception as exc:
         logger.debug("failure", exc_info=True)
         print(f"distvideo: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_RUNTIME
+    finally:
+        for sig, handler in previous_handlers.items():
+            signal.signal(sig, handler)
     return EXIT_OK

@@ -1,0 +1,141 @@
+"""The caller's side of LoRA changes: each one is a transaction over every rank through `collective_rpc`.
+
+``set_lora_adapter`` runs in two phases. Phase 1 (prepare) has every rank load and check the adapter without touching
+a weight; only when every rank succeeded, and all of them read the same bytes, does phase 2 (commit) change the
+weights. Otherwise every rank drops what it prepared and raises the same error naming the failing ranks. A change
+that fails in phase 2 (or a merge/unmerge/clear that fails) on some rank is rolled back on every rank.
+
+`executor` is duck-typed (`collective_rpc`, `ensure_consistent`, `world_size`, `is_output_rank`): this package sits
+below the executors and imports nothing from them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from distvideo.lora import rank as on_rank
+from distvideo.lora.formats import LoraError
+
+logger = logging.getLogger(__name__)
+
+_USER_ERRORS = {"LoraError"}  # error types of a rank that are the user's to fix (the CLI exits 2)
+
+
+def check_arguments(nickname: Any, path: Any, strength: Any, accumulate: Any) -> tuple[str, str | None, float, bool]:
+    if not isinstance(nickname, str) or not nickname.strip():
+        raise LoraError(f"set_lora_adapter: nickname must be a non-empty text, got {nickname!r}")
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise LoraError(f"set_lora_adapter({nickname!r}): path must be a file path or None, got {path!r}")
+    if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not math.isfinite(strength):
+        raise LoraError(f"set_lora_adapter({nickname!r}): strength must be a finite number, got {strength!r}")
+    if not isinstance(accumulate, bool):
+        raise LoraError(f"set_lora_adapter({nickname!r}): accumulate must be True or False, got {accumulate!r}")
+    resolved = os.path.abspath(Path(os.fspath(path)).expanduser()) if path is not None else None
+    return nickname, resolved, float(strength), accumulate
+
+
+def set_lora_adapter(
+    executor: Any, nickname: str, path: str | os.PathLike[str] | None, strength: float, accumulate: bool
+) -> None:
+    nickname, resolved, strength, accumulate = check_arguments(nickname, path, strength, accumulate)
+    what = f"set_lora_adapter({nickname!r})"
+    # Paths may differ per rank (node-local copies); what must agree is the call, and (checked below) the bytes read.
+    executor.ensure_consistent(
+        "set_lora_adapter",
+        {
+            "call": "set_lora_adapter",
+            "nickname": nickname,
+            "strength": strength,
+            "accumulate": accumulate,
+            "loads_file": resolved is not None,
+        },
+    )
+    try:
+        described = executor.collective_rpc(on_rank.prepare_adapter, args=(nickname, resolved, strength, accumulate))
+    except Exception as exc:
+        _abort(executor)
+        user_error = _user_error(exc, what, executor.world_size)
+        if user_error is None:
+            raise
+        raise user_error from exc
+    if len({d["sha256"] for d in described}) > 1:
+        _abort(executor)
+        lines = [f"{what}: the ranks read different files; no rank changed its weights:"]
+        lines += [f"  rank {r}: {d['path']} (sha256 {d['sha256'][:12]})" for r, d in enumerate(described)]
+        lines.append("Give every rank the same adapter file (the same bytes; the paths may differ).")
+        raise LoraError("\n".join(lines))
+    state = _transition(executor, on_rank.commit_adapter, what)
+    if executor.is_output_rank:
+        d = described[0]
+        logger.info(
+            "LoRA %r active at strength %g (%d layers, rank %d, %s)%s: %s",
+            nickname,
+            strength,
+            d["layers"],
+            d["rank"],
+            d["layout"],
+            f", stacked on {len(state['active']) - 1} more" if len(state["active"]) > 1 else "",
+            d["path"],
+        )
+
+
+def merge_weights(executor: Any) -> None:
+    _change(executor, "merge_lora_weights", on_rank.merge_weights)
+
+
+def unmerge_weights(executor: Any) -> None:
+    _change(executor, "unmerge_lora_weights", on_rank.unmerge_weights)
+
+
+def clear_adapters(executor: Any) -> None:
+    _change(executor, "clear_lora_adapters", on_rank.clear_adapters)
+
+
+def _change(executor: Any, what: str, fn: Callable[..., Any]) -> None:
+    executor.ensure_consistent(what, {"call": what})
+    _transition(executor, fn, what)
+
+
+def _transition(executor: Any, fn: Callable[..., Any], what: str) -> dict[str, Any]:
+    """Run a weight-changing step on every rank; if it fails anywhere, every rank returns to its previous state."""
+    try:
+        results = executor.collective_rpc(fn)
+    except Exception as exc:
+        try:
+            executor.collective_rpc(on_rank.rollback)
+        except Exception as again:
+            raise RuntimeError(
+                f"{what} failed ({exc}) and rolling the other ranks back failed too ({again}); the ranks' weights may "
+                "now differ: create a new VideoGenerator"
+            ) from exc
+        raise
+    return results[0]
+
+
+def _abort(executor: Any) -> None:
+    try:
+        executor.collective_rpc(on_rank.abort_adapter)
+    except Exception:  # a rank that cannot even drop its prepared state is gone; the first error says why
+        logger.debug("dropping the prepared LoRA change failed", exc_info=True)
+
+
+def _user_error(exc: BaseException, what: str, world_size: int) -> LoraError | None:
+    """One LoraError (the same words on every rank) when every failing rank failed on a user mistake."""
+    failures: dict[int, tuple[str, str]] | None = getattr(exc, "failures", None)
+    if not failures or not all(kind in _USER_ERRORS for kind, _ in failures.values()):
+        return None
+    if world_size == 1:
+        message = f"{what} failed; the weights are unchanged: {failures[min(failures)][1]}"
+    else:
+        ranks = ", ".join(str(r) for r in sorted(failures))
+        lines = [f"{what} failed on rank(s) {ranks} of {world_size}; no rank changed its weights:"]
+        lines += [f"  rank {r}: {message}" for r, (_, message) in sorted(failures.items())]
+        message = "\n".join(lines)
+    error = LoraError(message)
+    error.failures = failures  # type: ignore[attr-defined]
+    return error

@@ -1,0 +1,415 @@
+"""LoRA adapters: file layouts, parity with diffusers, merge/unmerge/clear exactness, stacking, errors that leave the
+weights unchanged, the CLI, and the same behaviour on the mp executor and under torchrun with sp=2.
+
+Test LoRA files are random low-rank weights for the embedded tiny model, written in every key layout by
+distvideo.lora.testing. One inline generator serves most tests (loading one costs seconds on 2 cores).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from distvideo import VideoGenerator
+from distvideo.cli.main import main
+from distvideo.config import LoraSpec
+from distvideo.lora import LoraError, read_lora_file
+from distvideo.lora.formats import diffusers_layer_name, parse_lora_state_dict
+from distvideo.lora.rank import describe, transformer_digest
+from distvideo.lora.testing import LAYOUTS, random_lora_layers, save_lora_file, wan_layer_name
+from distvideo.media import write_video
+
+from conftest import REPO, max_abs_diff, read_video
+from launchers import format_output, run_launcher
+
+REQUEST = dict(num_frames=5, height=32, width=48, num_inference_steps=2, seed=0, guidance_scale=5.0)
+SMALL_FLAGS = ["--num-frames", "5", "--height", "32", "--width", "48", "--steps", "2", "--seed", "0"]
+PROMPT = "a red fox"
+ALPHA_B = 2.0  # adapter B is stored in the Wan layout with alpha 2 at rank 4: scale 0.5
+
+
+# --- files ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def layers_a(embedded_model):
+    return random_lora_layers(embedded_model, rank=4, seed=1)
+
+
+@pytest.fixture(scope="module")
+def layers_b(embedded_model):
+    return random_lora_layers(embedded_model, rank=4, seed=2)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory, layers_a, layers_b):
+    """A in diffusers/PEFT naming (no alpha), B in the original Wan naming with alpha, and AB: one file holding
+    A at strength 1 plus B at strength 0.5 (its alpha folded in) as a single rank-8 adapter."""
+    d = tmp_path_factory.mktemp("lora")
+    scale_b = 0.5 * ALPHA_B / 4
+    summed = {
+        name: (torch.cat([da, layers_b[name][0]]), torch.cat([ua, layers_b[name][1] * scale_b], dim=1))
+        for name, (da, ua) in layers_a.items()
+    }
+    return {
+        "a": save_lora_file(d / "a.safetensors", layers_a, layout="diffusers"),
+        "b": save_lora_file(d / "b_wan.safetensors", layers_b, layout="wan", alpha=ALPHA_B),
+        "ab": save_lora_file(d / "ab.safetensors", summed, layout="diffusers-bare"),
+        "dir": d,
+    }
+
+
+# --- the shared generator ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gen(embedded_model):
+    with VideoGenerator.from_pretrained(embedded_model, executor="inline") as g:
+        yield g
+
+
+@pytest.fixture(scope="module")
+def base(gen):
+    """Frames and weight digest of the base model (no adapter)."""
+    gen.clear_lora_adapters()
+    return {"frames": frames(gen), "digest": digest(gen)}
+
+
+@pytest.fixture(scope="module")
+def frames_a07(gen, files, base):
+    """Frames with adapter A at strength 0.7 (the reference of the CLI, mp and torchrun tests)."""
+    gen.set_lora_adapter("a", files["a"], strength=0.7)
+    out = frames(gen)
+    gen.clear_lora_adapters()
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _no_adapter_left(request):
+    yield
+    if "gen" in request.fixturenames:
+        request.getfixturevalue("gen").clear_lora_adapters()
+
+
+def frames(g) -> np.ndarray:
+    return g.generate(PROMPT, save_video=False, **REQUEST).frames
+
+
+def digest(g) -> str:
+    return g.collective_rpc(transformer_digest)[0]
+
+
+def state(g) -> dict:
+    return g.collective_rpc(describe)[0]
+
+
+def transformer_of(g):
+    return g.executor.worker.pipeline.transformer
+
+
+# --- file layouts (no model) ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("wan", "diffusers"),
+    [
+        ("blocks.0.self_attn.q", "blocks.0.attn1.to_q"),
+        ("blocks.3.self_attn.o", "blocks.3.attn1.to_out.0"),
+        ("blocks.12.cross_attn.v", "blocks.12.attn2.to_v"),
+        ("blocks.1.cross_attn.k_img", "blocks.1.attn2.add_k_proj"),
+        ("blocks.0.ffn.0", "blocks.0.ffn.net.0.proj"),
+        ("blocks.0.ffn.2", "blocks.0.ffn.net.2"),
+        ("head.head", "proj_out"),
+        ("time_projection.1", "condition_embedder.time_proj"),
+        ("text_embedding.2", "condition_embedder.text_embedder.linear_2"),
+        ("time_embedding.0", "condition_embedder.time_embedder.linear_1"),
+        ("blocks.0.attn1.to_q", "blocks.0.attn1.to_q"),  # diffusers names pass through
+    ],
+)
+def test_wan_layer_names_map_to_diffusers(wan, diffusers):
+    assert diffusers_layer_name(wan) == diffusers
+    if wan != diffusers and "img" not in wan:
+        assert wan_layer_name(diffusers) == wan
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_layout_reads_to_the_same_layers(tmp_path, layers_a, layout):
+    path = save_lora_file(tmp_path / "x.safetensors", layers_a, layout=layout, alpha=8.0)
+    parsed = read_lora_file(path)
+    assert sorted(parsed.layers) == sorted(layers_a)
+    for name, (down, up) in layers_a.items():
+        assert torch.equal(parsed.layers[name].down, down) and torch.equal(parsed.layers[name].up, up)
+        assert parsed.layers[name].scale == 2.0  # alpha 8 / rank 4
+
+
+def test_parse_errors_name_the_problem():
+    A, B = torch.zeros(4, 32), torch.zeros(32, 4)
+    with pytest.raises(LoraError, match=r"not LoRA tensors.*blocks\.0\.attn1\.to_q\.weight"):
+        parse_lora_state_dict({"blocks.0.attn1.to_q.weight": B @ A}, source="f.safetensors")
+    with pytest.raises(LoraError, match=r"blocks\.0\.attn1\.to_q has a down .* but no up"):
+        parse_lora_state_dict({"blocks.0.attn1.to_q.lora_A.weight": A}, source="f.safetensors")
+    with pytest.raises(LoraError, match=r"blocks\.0\.attn1\.to_q has lora_A of shape \(4, 32\) and lora_B"):
+        bad = {"blocks.0.attn1.to_q.lora_A.weight": A, "blocks.0.attn1.to_q.lora_B.weight": torch.zeros(32, 3)}
+        parse_lora_state_dict(bad, source="f.safetensors")
+    # deltas of normalisation layers are skipped, as diffusers skips them
+    layers, skipped = parse_lora_state_dict(
+        {
+            "diffusion_model.blocks.0.norm3.diff": torch.zeros(32),
+            "diffusion_model.blocks.0.ffn.0.diff_b": torch.ones(64),
+        }
+    )
+    assert skipped == ["diffusion_model.blocks.0.norm3.diff"]
+    assert torch.equal(layers["blocks.0.ffn.net.0.proj"].bias, torch.ones(64))
+
+
+# --- semantics on one rank -----------------------------------------------------------------------------------------
+
+
+def test_strength_zero_is_the_base(gen, files, base):
+    gen.set_lora_adapter("a", files["a"], strength=0.0)
+    assert digest(gen) == base["digest"]
+    assert np.array_equal(frames(gen), base["frames"])
+
+
+@pytest.fixture(scope="module")
+def diffusers_pipe(embedded_model, files):
+    pytest.importorskip("peft", reason="diffusers' load_lora_weights needs peft (pip install -e '.[test]')")
+    from diffusers import WanPipeline
+
+    pipe = WanPipeline.from_pretrained(str(embedded_model))
+    pipe.set_progress_bar_config(disable=True)
+    with warnings.catch_warnings():  # peft warns that a second adapter joins the first: that is the point
+        warnings.simplefilter("ignore", UserWarning)
+        pipe.load_lora_weights(str(files["a"]), adapter_name="a")
+        pipe.load_lora_weights(str(files["b"]), adapter_name="b")
+    return pipe
+
+
+def diffusers_lora_frames(pipe, adapters: list[str], weights: list[float]) -> np.ndarray:
+    pipe.set_adapters(adapters, weights)
+    kwargs = {k: v for k, v in REQUEST.items() if k != "seed"}
+    generator = torch.Generator("cpu").manual_seed(REQUEST["seed"])
+    out = pipe(PROMPT, generator=generator, output_type="np", **kwargs).frames[0]
+    return np.round(out * 255).astype(np.uint8)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "adapters",
+    [
+        pytest.param([("a", 1.0)], id="diffusers-naming"),
+        pytest.param([("b", 0.6)], id="wan-naming-with-alpha"),
+    ],
+)
+def test_frames_match_diffusers_load_lora_weights(gen, files, base, diffusers_pipe, adapters):
+    for i, (name, strength) in enumerate(adapters):
+        gen.set_lora_adapter(name, files[name], strength=strength, accumulate=i > 0)
+    ours = frames(gen)
+    ref = diffusers_lora_frames(diffusers_pipe, [n for n, _ in adapters], [s for _, s in adapters])
+    assert max_abs_diff(ref, base["frames"]) > 20, "the adapter hardly changes the frames: the check would be weak"
+    assert max_abs_diff(ours, ref) <= 2
+
+
+def test_unmerged_applies_on_the_fly_over_exact_base_weights(gen, files, base, frames_a07):
+    gen.set_lora_adapter("a", files["a"], strength=0.7)
+    merged = digest(gen)
+    gen.unmerge_lora_weights()
+    assert digest(gen) == base["digest"], "unmerged: the weights are the base weights, bit for bit"
+    assert state(gen)["merged"] is False and state(gen)["active"] == [["a", 0.7]]
+    assert max_abs_diff(frames(gen), frames_a07) <= 2
+    gen.merge_lora_weights()
+    assert digest(gen) == merged
+
+
+def test_many_cycles_then_clear_restore_base_bit_for_bit(gen, files, base):
+    gen.set_lora_adapter("a", files["a"], strength=0.7)
+    merged_digest = digest(gen)
+    gen.set_lora_adapter("b", files["b"], strength=0.3, accumulate=True)
+    for i in range(20):
+        gen.unmerge_lora_weights()
+        gen.merge_lora_weights()
+        gen.set_lora_adapter("a", strength=0.7)  # switch (cached) ...
+        gen.set_lora_adapter("b", strength=0.3 + i / 100, accumulate=True)  # ... and stack again
+    gen.set_lora_adapter("a", strength=0.7)
+    assert digest(gen) == merged_digest, "merging recomputes from the saved base: no drift"
+    gen.clear_lora_adapters()
+    assert digest(gen) == base["digest"]
+    assert state(gen) == {"active": [], "merged": True, "cached": ["a", "b"], "touched_layers": 0}
+    assert np.array_equal(frames(gen), base["frames"])
+
+
+def test_accumulate_equals_one_adapter_holding_the_sum(gen, files):
+    gen.set_lora_adapter("ab", files["ab"])
+    summed = {k: v.clone() for k, v in transformer_of(gen).state_dict().items()}
+    gen.set_lora_adapter("a", files["a"], strength=1.0)
+    gen.set_lora_adapter("b", files["b"], strength=0.5, accumulate=True)
+    stacked = transformer_of(gen).state_dict()
+    changed = [k for k in summed if not torch.equal(summed[k], stacked[k])]
+    assert changed, "float rounding differs between the two ways; equal bits would mean nothing was applied"
+    for k, v in summed.items():
+        torch.testing.assert_close(stacked[k], v, rtol=0, atol=1e-6)
+
+
+def test_replace_switch_and_stack(gen, files):
+    gen.set_lora_adapter("a", files["a"], strength=0.5)
+    gen.set_lora_adapter("b", files["b"])  # replaces A
+    assert state(gen)["active"] == [["b", 1.0]]
+    gen.set_lora_adapter("a", accumulate=True)  # cached: no path needed
+    assert state(gen)["active"] == [["b", 1.0], ["a", 1.0]]
+    gen.set_lora_adapter("b", strength=0.25, accumulate=True)  # re-stacking moves it last with the new strength
+    assert state(gen)["active"] == [["a", 1.0], ["b", 0.25]]
+
+
+def _other_model_file(path, layers_a):
+    # a 3-block model's adapter: blocks 0-1 match, block 2 does not exist here
+    extra = {name.replace("blocks.1.", "blocks.2."): t for name, t in layers_a.items() if name.startswith("blocks.1.")}
+    return save_lora_file(path, {**layers_a, **extra}, layout="wan")
+
+
+def _wrong_shapes_file(path, layers_a):
+    _, up = layers_a["blocks.0.attn1.to_q"]
+    return save_lora_file(path, {"blocks.0.attn1.to_q": (torch.zeros(4, 64), up)}, layout="diffusers")
+
+
+def _no_match_file(path, layers_a):
+    from safetensors.torch import save_file
+
+    save_file(
+        {
+            "unet.down_blocks.0.attentions.0.proj_in.lora_A.weight": torch.zeros(4, 8),
+            "unet.down_blocks.0.attentions.0.proj_in.lora_B.weight": torch.zeros(8, 4),
+        },
+        str(path),
+    )
+    return path
+
+
+def _corrupt_file(path, layers_a):
+    good = save_lora_file(path, layers_a, layout="diffusers").read_bytes()
+    path.write_bytes(good[: len(good) // 2])  # truncated download
+    return path
+
+
+@pytest.mark.parametrize(
+    ("make", "expected"),
+    [
+        pytest.param(None, r"does not exist", id="missing"),
+        pytest.param(_corrupt_file, r"not a valid \.safetensors file .*corrupt", id="corrupt"),
+        pytest.param(_no_match_file, r"matches no layer of this model's transformer.*for another model", id="no-match"),
+        pytest.param(_other_model_file, r"10 of its 30 layers match no linear layer.*blocks\.2\.", id="more-blocks"),
+        pytest.param(
+            _wrong_shapes_file, r"layer blocks\.0\.attn1\.to_q is Linear\(in_features=32.*\(rank, 32\)", id="shapes"
+        ),
+    ],
+)
+def test_bad_files_are_clear_errors_and_change_nothing(gen, files, layers_a, tmp_path, make, expected):
+    gen.set_lora_adapter("a", files["a"], strength=0.7)
+    before, state_before = digest(gen), state(gen)
+    path = tmp_path / "bad.safetensors"
+    if make is not None:
+        make(path, layers_a)
+    with pytest.raises(LoraError, match=expected) as info:
+        gen.set_lora_adapter("bad", path, accumulate=True)
+    assert str(path) in str(info.value), "the error names the file"
+    assert "weights are unchanged" in str(info.value)
+    assert digest(gen) == before and state(gen) == state_before
+
+
+def test_unknown_nickname_and_bad_arguments(gen):
+    with pytest.raises(LoraError, match=r"no LoRA adapter named 'nope' is loaded"):
+        gen.set_lora_adapter("nope")
+    with pytest.raises(LoraError, match="strength must be a finite number"):
+        gen.set_lora_adapter("a", "x.safetensors", strength=float("nan"))
+    with pytest.raises(LoraError, match="nickname"):
+        gen.set_lora_adapter("", "x.safetensors")
+
+
+# --- CLI -----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_cli_lora_flag_end_to_end(gen, files, frames_a07, tmp_path, capsys):
+    out = tmp_path / "cli.mp4"
+    argv = ["generate", "--prompt", PROMPT, "--executor", "inline", "--output", str(out), "--no-progress"]
+    assert main([*argv, *SMALL_FLAGS, "--lora", f"{files['a']}:0.7"]) == 0, capsys.readouterr().err
+    expected = write_video(frames_a07, tmp_path / "api.mp4", fps=16)  # the API's frames, through the same encoder
+    assert max_abs_diff(read_video(out)[0], read_video(expected)[0]) <= 2
+
+
+def test_engine_lora_list_stacks_in_order(gen, files, embedded_model):
+    """--lora given twice, or engine.lora in a config file: the first replaces, the next ones stack."""
+    specs = [LoraSpec(str(files["a"]), 0.7), LoraSpec(str(files["b"]), 0.5), LoraSpec(str(files["a"]), 0.1)]
+    with VideoGenerator.from_pretrained(embedded_model, executor="inline", lora=specs) as stacked:
+        assert state(stacked)["active"] == [["a", 0.7], ["b_wan", 0.5], ["a#2", 0.1]]
+        stacked_digest = digest(stacked)
+    gen.set_lora_adapter("a", files["a"], strength=0.7)
+    gen.set_lora_adapter("b_wan", files["b"], strength=0.5, accumulate=True)
+    gen.set_lora_adapter("a#2", files["a"], strength=0.1, accumulate=True)
+    assert digest(gen) == stacked_digest
+
+
+def test_cli_missing_lora_file_exits_2(tmp_path, capsys):
+    missing = tmp_path / "nowhere.safetensors"
+    argv = ["generate", "--prompt", PROMPT, "--executor", "inline", "--output", str(tmp_path / "v.mp4")]
+    assert main([*argv, *SMALL_FLAGS, "--lora", f"{missing}:0.7"]) == 2
+    err = capsys.readouterr().err
+    assert str(missing) in err and "does not exist" in err
+    assert not (tmp_path / "v.mp4").exists()
+
+
+# --- other executors -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_mp_two_ranks_equals_inline(files, frames_a07, embedded_model):
+    pytest.importorskip("distvideo.executors.mp")
+    with VideoGenerator.from_pretrained(embedded_model, executor="mp", num_gpus=2) as mp:
+        base = mp.collective_rpc(transformer_digest)
+        mp.set_lora_adapter("a", files["a"], strength=0.7)
+        assert max_abs_diff(frames(mp), frames_a07) <= 2
+        with_a = mp.collective_rpc(transformer_digest)
+        assert with_a[0] == with_a[1] != base[0]
+        with pytest.raises(LoraError, match=r"failed on rank\(s\) 0, 1 of 2") as info:
+            mp.set_lora_adapter("b", files["dir"] / "missing.safetensors", accumulate=True)
+        assert "missing.safetensors" in str(info.value)
+        assert mp.collective_rpc(transformer_digest) == with_a
+        mp.unmerge_lora_weights()
+        assert mp.collective_rpc(transformer_digest) == base
+        mp.clear_lora_adapters()
+        assert mp.collective_rpc(transformer_digest) == base
+
+
+@pytest.mark.launcher
+@pytest.mark.slow
+def test_torchrun_sp2_cfg2_transaction_and_parity(tmp_path, files, frames_a07):
+    script = REPO / "tests" / "rank_scripts" / "lora_ranks.py"
+    proc = run_launcher("torchrun", [str(script), str(tmp_path), str(files["a"]), str(files["b"])], nproc=2)
+    assert proc.returncode == 0, format_output(proc)
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0 == r1, "every rank saw the same digests, states and errors"
+    # a LoRA on sp=2 (merged, and on the fly) and on cfg=2 gives the single-rank frames
+    for name in ("lora", "lora_unmerged", "lora_cfg"):
+        assert max_abs_diff(np.load(tmp_path / f"{name}.npy"), frames_a07) <= 2, name
+    base, with_a = r0["base"], r0["with_a"]
+    assert r0["unmerged"] == base
+    assert base[0] == base[1] and with_a[0] == with_a[1] and with_a != base
+    # the file exists on rank 0 only: the same error on both ranks, naming rank 1, and no weight changed anywhere
+    failure = r0["missing_on_rank_1"]
+    assert failure["type"] == "LoraError"
+    assert "failed on rank(s) 1 of 2; no rank changed its weights" in failure["message"]
+    assert "rank 1: LoRA file" in failure["message"] and "only-on-rank-0" in failure["message"]
+    assert "rank 0:" not in failure["message"]
+    assert r0["after_failure"] == with_a and r0["state_after_failure"] == r0["state_with_a"]
+    assert "the ranks read different files" in r0["different_files"]["message"]
+    assert r0["after_different_files"] == with_a
+    assert r0["divergent_is_refused"], r0["divergent"]
+    assert r0["after_clear"] == base
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
