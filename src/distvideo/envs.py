@@ -57,12 +57,6 @@ _declare(
     "Intra-op CPU threads per rank. Default: OMP_NUM_THREADS when the user set it, else cores / local world size.",
 )
 _declare("DISTVIDEO_NO_PROGRESS", _bool, False, "Disable the tqdm progress bar (same as --no-progress).")
-_declare(
-    "DISTVIDEO_MP_WORKER",
-    _bool,
-    False,
-    "Set by the mp executor in the processes it spawns; tells a worker it was spawned by distvideo.",
-)
 
 # --- launcher variables (read by distvideo.launch; torchrun, Open MPI, MPICH/Intel MPI, Slurm) ---
 _LAUNCH_DOCS = {

@@ -1,0 +1,58 @@
+"""What every executor must do the same way, observed on a live VideoGenerator.
+
+`observe(gen)` runs the contract's calls and returns plain data; the contract tests run it in process
+(inline, mp) and on every rank under torchrun (external), then assert the same things of each.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+REQUEST = dict(num_frames=5, height=32, width=48, num_inference_steps=2, seed=9, save_video=False)
+PROMPT = "a paper boat on a pond"
+
+
+def fail_on_last_rank(worker):
+    if worker.rank == worker.world_size - 1:
+        raise ValueError(f"planted failure on rank {worker.rank}")
+    return worker.rank
+
+
+def describe(worker):
+    return {"rank": worker.rank, "world_size": worker.world_size, "pid": os.getpid(), "device": str(worker.device)}
+
+
+def expected_failure_text(world_size: int) -> str:
+    last = world_size - 1
+    return (
+        f"collective_rpc('fail_on_last_rank') failed on 1 of {world_size} rank(s):\n"
+        f"  rank {last}: ValueError: planted failure on rank {last}"
+    )
+
+
+def observe(gen) -> tuple[dict[str, Any], np.ndarray | None]:
+    obs: dict[str, Any] = {"world_size": gen.world_size, "is_output_rank": gen.is_output_rank}
+    obs["describe"] = gen.collective_rpc(describe)
+    obs["ping"] = gen.collective_rpc("ping")
+    obs["kwargs"] = gen.collective_rpc(lambda w, a, b=0: a + b + w.rank, args=(10,), kwargs={"b": 5})
+    try:
+        gen.collective_rpc(fail_on_last_rank)
+        obs["failure"] = None
+    except RuntimeError as exc:
+        obs["failure"] = str(exc)
+    obs["ping_after_failure"] = gen.collective_rpc("ping")
+    res = gen.generate(PROMPT, **REQUEST)
+    obs["video_path"] = res.video_path
+    frames = res.frames
+    obs["has_frames"] = frames is not None
+    gen.shutdown()
+    gen.shutdown()  # idempotent
+    try:
+        gen.collective_rpc("ping")
+        obs["after_shutdown"] = None
+    except RuntimeError as exc:
+        obs["after_shutdown"] = str(exc)
+    return obs, frames

@@ -1,0 +1,357 @@
+"""The mp executor: distvideo spawns 2 CPU ranks and drives them from this process.
+
+Rank-ordered results, failures as data, per-call timeouts, frames through shared memory, a worker killed
+mid-call, a rank failing at start-up, shutdown, Ctrl-C and the death of the driver. Most tests share one
+2-rank generator (starting one costs seconds on a 2-core machine); the ones that kill it start their own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import cloudpickle
+import numpy as np
+import psutil
+import pytest
+
+from distvideo import VideoGenerator
+from distvideo.config import GenerationRequest
+from distvideo.executors.base import RankFailure
+from distvideo.models.tiny import build_embedded_model, embedded_model_path
+
+pytestmark = pytest.mark.slow
+
+# The helpers below travel to the workers by value: the workers need not import this test module.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+SMALL = {"num_frames": 5, "height": 32, "width": 32, "num_inference_steps": 2, "save_video": False}
+
+
+# --- helpers run on the workers -----------------------------------------------------------------
+def rank_of(worker):
+    return worker.rank
+
+
+def pid_of(worker):
+    return os.getpid()
+
+
+def echo(worker, x, *, y):
+    return (worker.rank, x, y)
+
+
+def array_sum(worker, values):
+    return int(values.sum())
+
+
+def boom_on_rank_1(worker):
+    if worker.rank == 1:
+        raise ValueError("boom")
+    return worker.rank
+
+
+def sleep_then_answer(worker, seconds, answer):
+    time.sleep(seconds)
+    return answer
+
+
+# --- fixtures -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    try:
+        return str(embedded_model_path())
+    except FileNotFoundError:  # not generated yet in this checkout: build the same folder
+        return str(build_embedded_model(tmp_path_factory.mktemp("model") / "tiny-wan"))
+
+
+class SharedGenerator:
+    """One 2-rank mp generator for the module, started on first use and again if a test shut it down."""
+
+    def __init__(self, model: str):
+        self.model = model
+        self.gen: VideoGenerator | None = None
+
+    def get(self) -> VideoGenerator:
+        if self.gen is None or self.gen._executor is None:
+            self.gen = VideoGenerator.from_pretrained(self.model, num_gpus=2, executor="mp")
+        return self.gen
+
+    def close(self) -> None:
+        if self.gen is not None:
+            self.gen.shutdown()
+
+
+@pytest.fixture(scope="module")
+def shared(model_path: str):
+    holder = SharedGenerator(model_path)
+    yield holder
+    holder.close()
+
+
+@pytest.fixture
+def gen(shared: SharedGenerator) -> VideoGenerator:
+    return shared.get()
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def wait_gone(pids: list[int], within: float) -> list[int]:
+    """The pids still alive after `within` seconds (zombies count as gone)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline and not all(gone(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if not gone(p)]
+
+
+def spawned_children() -> set[int]:
+    out = set()
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if "spawn_main" in " ".join(child.cmdline()) and child.status() != psutil.STATUS_ZOMBIE:
+                out.add(child.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+# --- control plane ------------------------------------------------------------------------------
+def test_results_come_back_in_rank_order(gen: VideoGenerator):
+    assert gen.world_size == 2 and gen.is_output_rank
+    assert gen.collective_rpc(rank_of) == [0, 1]
+    assert gen.collective_rpc("ping") == [0, 1]
+    assert gen.collective_rpc(lambda w: w.world_size) == [2, 2]
+    assert gen.collective_rpc(echo, args=("x",), kwargs={"y": 3}) == [(0, "x", 3), (1, "x", 3)]
+    big = np.arange(200_000, dtype=np.int64)  # 1.6 MB: travels through one shared-memory segment
+    assert gen.collective_rpc(array_sum, args=(big,)) == [int(big.sum())] * 2
+    pids = gen.collective_rpc(pid_of)
+    assert len(set(pids)) == 2 and os.getpid() not in pids
+
+
+def test_failure_on_one_rank_is_data_and_the_executor_stays_usable(gen: VideoGenerator):
+    with pytest.raises(RuntimeError) as info:
+        gen.collective_rpc(boom_on_rank_1)
+    text = str(info.value)
+    assert "rank 1" in text and "ValueError" in text and "boom" in text
+    assert "rank 0" not in text
+    assert isinstance(info.value, RankFailure) and set(info.value.failures) == {1}
+    assert "boom_on_rank_1" in str(info.value.__cause__)  # the worker's traceback is chained
+    with pytest.raises(RuntimeError, match="no method 'nope'"):
+        gen.collective_rpc("nope")
+    assert gen.collective_rpc(rank_of) == [0, 1]
+
+
+def test_timeout_names_the_ranks_and_the_late_answer_is_dropped(gen: VideoGenerator):
+    with pytest.raises(TimeoutError) as info:
+        gen.collective_rpc(sleep_then_answer, args=(3.0, "late"), timeout=0.5)
+    assert "rank 0" in str(info.value) and "rank 1" in str(info.value)
+    # the workers finish the sleep first; this call must get its own answer, not "late"
+    assert gen.collective_rpc(sleep_then_answer, args=(0.0, "fresh")) == ["fresh", "fresh"]
+    assert gen.collective_rpc(rank_of) == [0, 1]
+
+
+def test_frames_match_inline_and_only_the_output_rank_ships_them(gen: VideoGenerator, model_path: str):
+    result = gen.generate("a red fox running through snow", seed=3, **SMALL)
+    assert result.frames is not None and result.frames.dtype == np.uint8
+    assert result.frames.flags.owndata and result.frames.flags.writeable  # the driver's own copy
+
+    with VideoGenerator.from_pretrained(model_path, executor="inline") as inline:
+        expected = inline.generate("a red fox running through snow", seed=3, **SMALL).frames
+    assert np.array_equal(result.frames, expected)
+
+    assert isinstance(result.request, GenerationRequest)
+    outputs = gen.collective_rpc("execute_forward", args=(result.request,))
+    assert [o.rank for o in outputs] == [0, 1]
+    assert outputs[0].frames is not None and outputs[1].frames is None
+    assert np.array_equal(outputs[0].frames, expected)
+
+
+# --- failures that end the executor -------------------------------------------------------------
+def test_a_killed_worker_is_reported_and_the_executor_is_dead(model_path: str):
+    gen = VideoGenerator.from_pretrained(model_path, num_gpus=2, executor="mp")
+    pids = gen.collective_rpc(pid_of)
+    killer = threading.Timer(1.0, os.kill, args=(pids[1], signal.SIGKILL))
+    killer.start()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        gen.collective_rpc(sleep_then_answer, args=(60.0, "never"))
+    assert time.monotonic() - start < 15
+    assert "rank 1 died (killed by SIGKILL)" in str(info.value)
+    with pytest.raises(RuntimeError, match="executor is dead"):
+        gen.collective_rpc(rank_of)
+    with pytest.raises(RuntimeError, match="executor is dead"):
+        gen.generate("a cat", **SMALL)
+    assert wait_gone(pids, within=5) == []
+    gen.shutdown()
+    gen.shutdown()
+
+
+def test_a_rank_failing_at_start_up_is_named(model_path: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    # Fault injection without a test hook in the library: the spawned workers inherit PYTHONPATH, so
+    # this sitecustomize patches Worker.init_device in them (this process has already started).
+    (tmp_path / "sitecustomize.py").write_text(
+        textwrap.dedent(
+            """
+            import os
+
+            _rank = os.environ.get("DISTVIDEO_TEST_FAIL_INIT_RANK")
+            if _rank is not None:
+                from distvideo import worker as _worker
+
+                _init_device = _worker.Worker.init_device
+
+                def init_device(self):
+                    if self.rank == int(_rank):
+                        raise RuntimeError(f"injected start-up fault on rank {self.rank}")
+                    _init_device(self)
+
+                _worker.Worker.init_device = init_device
+            """
+        )
+    )
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("DISTVIDEO_TEST_FAIL_INIT_RANK", "1")
+    before = spawned_children()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        # rank 0 waits in the rendezvous for rank 1; the error must not wait for dist_timeout
+        VideoGenerator.from_pretrained(model_path, num_gpus=2, executor="mp", dist_timeout=300)
+    assert time.monotonic() - start < 120
+    text = str(info.value)
+    assert "rank 1: RuntimeError: injected start-up fault on rank 1 (in init_device)" in text
+    assert "rank 0: torn down after rank 1 failed" in text
+    assert isinstance(info.value, RankFailure) and set(info.value.failures) == {1}
+    assert spawned_children() - before == set()
+
+
+def test_shutdown_is_idempotent_and_leaves_no_process(shared: SharedGenerator):
+    gen = shared.get()
+    pids = gen.collective_rpc(pid_of)
+    executor = gen.executor
+    gen.shutdown()
+    gen.shutdown()
+    executor.shutdown()
+    assert wait_gone(pids, within=1) == []
+    with pytest.raises(RuntimeError, match="shut down"):
+        executor.collective_rpc(rank_of)
+
+
+# --- the driver's own fate ----------------------------------------------------------------------
+DRIVER = textwrap.dedent(
+    """
+    import json, os, sys, time
+
+    from distvideo import VideoGenerator
+
+    def sleep_long(worker):
+        time.sleep(120)
+
+    if __name__ == "__main__":  # the spawned workers import this file as a module
+        model, mode, world = sys.argv[1], sys.argv[2], int(sys.argv[3])
+        gen = VideoGenerator.from_pretrained(model, num_gpus=world, executor="mp")
+        print(json.dumps(gen.collective_rpc(lambda w: os.getpid())), flush=True)
+        if mode == "sleep":
+            time.sleep(300)
+        try:
+            print("calling", flush=True)
+            gen.collective_rpc(sleep_long)
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+        try:
+            gen.collective_rpc("ping")
+        except RuntimeError as exc:
+            print("after:", exc, flush=True)
+    """
+)
+
+
+class Driver:
+    """DRIVER in a subprocess of its own session (like a program started from a terminal); its output is
+    read by threads so that reading never blocks on a full pipe."""
+
+    def __init__(self, tmp_path: Path, model_path: str, mode: str, world: int):
+        script = tmp_path / "driver.py"
+        script.write_text(DRIVER)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(script), model_path, mode, str(world)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.stderr: list[str] = []
+        self.readers = [
+            threading.Thread(target=self._drain, args=(self.proc.stdout, self.lines.put), daemon=True),
+            threading.Thread(target=self._drain, args=(self.proc.stderr, self.stderr.append), daemon=True),
+        ]
+        for reader in self.readers:
+            reader.start()
+
+    @staticmethod
+    def _drain(stream, sink) -> None:
+        for line in stream:
+            sink(line)
+
+    def read_line(self, within: float) -> str:
+        try:
+            return self.lines.get(timeout=within)
+        except queue.Empty:
+            self.proc.kill()
+            raise AssertionError(f"the driver printed nothing in {within} s; stderr:\n{''.join(self.stderr)}") from None
+
+    def worker_pids(self) -> list[int]:
+        return json.loads(self.read_line(within=120))
+
+    def wait(self, within: float) -> int:
+        returncode = self.proc.wait(within)
+        for reader in self.readers:
+            reader.join(5)
+        return returncode
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.wait(10)
+
+
+def test_workers_end_when_their_driver_is_killed(tmp_path: Path, model_path: str):
+    driver = Driver(tmp_path, model_path, "sleep", world=2)
+    try:
+        pids = driver.worker_pids()
+        if os.path.isdir("/proc"):  # the workers do not hold the driver's stdin
+            assert [os.readlink(f"/proc/{pid}/fd/0") for pid in pids] == [os.devnull] * 2
+        os.kill(driver.proc.pid, signal.SIGKILL)
+        driver.proc.wait(10)
+        assert wait_gone(pids, within=10) == []
+    finally:
+        driver.kill()
+
+
+def test_ctrl_c_in_the_driver_tears_the_workers_down(tmp_path: Path, model_path: str):
+    driver = Driver(tmp_path, model_path, "interrupt", world=1)  # one rank keeps the test short
+    try:
+        pids = driver.worker_pids()
+        assert driver.read_line(within=30) == "calling\n"
+        time.sleep(0.5)  # the sleeping call is in flight
+        os.killpg(driver.proc.pid, signal.SIGINT)  # what a terminal sends on Ctrl-C: driver and workers
+        assert driver.read_line(within=30) == "interrupted\n"
+        assert "executor is dead" in driver.read_line(within=10)
+        assert driver.wait(30) == 0, "".join(driver.stderr)
+        assert "KeyboardInterrupt" not in "".join(driver.stderr)  # the workers ignore SIGINT: no traceback
+        assert wait_gone(pids, within=5) == []
+    finally:
+        driver.kill()
