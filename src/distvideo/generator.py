@@ -115,11 +115,16 @@ class VideoGenerator:
 
     @staticmethod
     def probe(config: EngineConfig) -> tuple[EngineConfig, ModelInfo]:
-        """Validate the engine config and read the model's JSON files (no weights, no processes)."""
+        """Validate the engine config, read the model's JSON files and check its weight files' headers (no weights, no
+        processes): a missing or truncated file fails here, naming it."""
+        from distvideo.models.loading import verify_component_files
+
         config.validate()
         if config.model is None:
             config = dataclasses.replace(config, model=str(embedded_model_path()))
-        return config, probe_model(str(config.model))
+        info = probe_model(str(config.model))
+        verify_component_files(info)
+        return config, info
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> VideoGenerator:
@@ -198,9 +203,18 @@ class VideoGenerator:
 
     def generate_request(self, request: GenerationRequest) -> GenerationResult:
         start = time.perf_counter()
-        request = self.model_info.resolve_request(request)  # bad input fails here, before any work
         executor = self.executor
-        executor.ensure_consistent("generate", request.digest_fields())
+        try:
+            resolved, invalid = self.model_info.resolve_request(request), None  # bad input fails here, before any work
+        except ConfigError as exc:
+            resolved, invalid = None, exc
+        # Under a launcher every rank compares the arguments and whether they were valid, so a request refused on one
+        # rank only is refused on every rank (none is left waiting in a collective for it).
+        executor.ensure_consistent("generate", {**request.digest_fields(), "invalid_request": _text_or_none(invalid)})
+        if invalid is not None:
+            raise invalid
+        assert resolved is not None
+        request = resolved
         out = executor.execute_forward(request)
         timings = dict(out.timings)
         video_path: str | None = None
@@ -293,3 +307,7 @@ class VideoGenerator:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _text_or_none(exc: BaseException | None) -> str | None:
+    return None if exc is None else str(exc)

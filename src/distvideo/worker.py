@@ -6,6 +6,7 @@ Executors create exactly one Worker per rank and reach it only through `execute_
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import resource
@@ -104,6 +105,7 @@ class Worker:
         self.pipeline: Any = None
         self.process_group_initialized = False
         self.cpu_group: Any = None  # gloo group for control messages (the default group on CPU)
+        self.parallel: Any = None  # distvideo.parallel.context.ParallelContext when world_size > 1
 
     @property
     def is_output_rank(self) -> bool:
@@ -135,6 +137,17 @@ class Worker:
                 self.cpu_group = torch.distributed.group.WORLD
             else:
                 self.cpu_group = torch.distributed.new_group(backend="gloo", timeout=timeout)
+        if self.world_size > 1:  # the layout's process groups, once, right after the default group
+            from distvideo.parallel.context import ParallelContext
+
+            heads = self.model_info.num_attention_heads if self.model_info is not None else None
+            self.parallel = ParallelContext.create(
+                self.config,
+                world_size=self.world_size,
+                num_heads=heads,
+                device=self.device,
+                timeout=timedelta(seconds=self.config.dist_timeout) if self.config.dist_timeout else None,
+            )
         logger.debug("rank %d: device %s, %d threads", self.rank, self.device, torch.get_num_threads())
 
     def load_model(self) -> None:
@@ -143,15 +156,33 @@ class Worker:
         info = self.model_info or probe_model(str(self.config.model))
         self.model_info = info
         components = load_components(info, component_dtypes(self.device, self.config.dtype))
+        if self.parallel is not None:
+            self.parallel.apply_plans(components)  # Ulysses on the transformer, banded decode on the VAE
         pipeline_cls = PIPELINES[info.family.pipeline]
         show = self.is_output_rank and not envs.get("DISTVIDEO_NO_PROGRESS")
-        self.pipeline = pipeline_cls(components, self.device, show_progress=show)
+        self.pipeline = pipeline_cls(components, self.device, show_progress=show, parallel=self.parallel)
 
-    def shutdown(self) -> None:
+    def shutdown(self, *, broken: bool = False) -> None:
+        """Release the pipeline and the process groups. `broken`: a collective failed (a peer died, timed out or left),
+        so nothing that could wait on a peer may run: gloo groups are freed (a local operation that also closes this
+        rank's connections, so peers still waiting on it fail at once instead of at their timeout), NCCL groups are
+        aborted rather than destroyed, and any error is logged, not raised."""
         self.pipeline = None
         self.cpu_group = None
+        self.parallel = None
         if self.process_group_initialized and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+            if not broken:
+                torch.distributed.destroy_process_group()
+            else:
+                try:
+                    abort = getattr(torch.distributed.distributed_c10d, "_abort_process_group", None)
+                    if self.device.type == "cuda" and abort is not None:
+                        abort()
+                    else:
+                        torch.distributed.destroy_process_group()
+                    gc.collect()  # the groups' last references may sit in reference cycles (modules, hooks)
+                except Exception:
+                    logger.debug("releasing a broken process group failed", exc_info=True)
         self.process_group_initialized = False
 
     # -- calls -----------------------------------------------------------------------------------

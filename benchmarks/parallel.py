@@ -1,0 +1,304 @@
+"""Parallel denoising and decode on the benchmark checkpoint, one thread per rank.
+
+Modes, each in its own process group (one launch per mode, each rank one process with one intra-op thread):
+
+- ``single``: one rank (inline executor);
+- ``cfg2``: distvideo, 2 ranks, CFG parallel (sp 1);
+- ``sp2``: distvideo, 2 ranks, Ulysses sequence parallel (CFG off);
+- ``diffusers-ulysses2``: diffusers' WanPipeline with its own context parallelism
+  (``transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=2))``) on the same checkpoint, 2 ranks.
+
+Each launch makes one warm-up generation (1 step, same shape), then ``--runs`` timed ones. The modes are launched in
+``--rounds`` interleaved rounds (single, cfg2, sp2, diffusers, single, ...), so a burst of load from other processes
+on a shared machine spreads over all modes instead of hitting one. The table shows medians over every timed run of
+text encoding + denoising, decoding (VAE decode + uint8 frames) and end to end, with min-max and the 1-minute load
+average seen at the launches. The distvideo multi-rank modes also time the text encoding stage alone with each
+strategy ("local": every rank encodes what it needs; "broadcast": rank 0 encodes, the embeddings are broadcast).
+
+    python benchmarks/parallel.py                                  # all modes, 3 rounds of 1 timed run
+    python benchmarks/parallel.py --modes single,sp2 --rounds 5 --json results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+RESULT_PREFIX = "PARALLEL_RESULT "
+PROMPT = "a red fox running through snow"
+NEGATIVE = "blurry, low quality"
+MODES: dict[str, dict[str, Any]] = {
+    "single": {"world": 1, "sp_size": None, "cfg_parallel": None},
+    "cfg2": {"world": 2, "sp_size": 1, "cfg_parallel": True},
+    "sp2": {"world": 2, "sp_size": 2, "cfg_parallel": False},
+    "diffusers-ulysses2": {"world": 2},
+}
+
+
+# --- inside one launch -----------------------------------------------------------------------------------------------
+
+
+def request_kwargs(args: argparse.Namespace, steps: int | None = None) -> dict[str, Any]:
+    return dict(
+        num_frames=args.frames,
+        height=args.height,
+        width=args.width,
+        num_inference_steps=steps or args.steps,
+        guidance_scale=args.guidance,
+        seed=0,
+    )
+
+
+def run_distvideo(mode: str, args: argparse.Namespace) -> dict[str, Any] | None:
+    from distvideo import VideoGenerator
+
+    spec = MODES[mode]
+    executor = "inline" if spec["world"] == 1 else "external"
+    with VideoGenerator.from_pretrained(
+        args.model, executor=executor, sp_size=spec["sp_size"], cfg_parallel=spec["cfg_parallel"]
+    ) as gen:
+        gen.generate(PROMPT, negative_prompt=NEGATIVE, save_video=False, **request_kwargs(args, steps=1))  # warm-up
+        runs = []
+        for _ in range(args.runs):
+            res = gen.generate(PROMPT, negative_prompt=NEGATIVE, save_video=False, **request_kwargs(args))
+            t = res.timings
+            runs.append(
+                {
+                    "text_and_denoise": t["text_encoding"] + t["timesteps"] + t["latents"] + t["denoising"],
+                    "text_encoding": t["text_encoding"],
+                    "decode": t["decoding"] + t["frames"],
+                    "e2e": t["total"],
+                }
+            )
+        text = {}
+        if spec["world"] > 1:
+            for strategy in ("local", "broadcast"):
+                text[strategy] = gen.collective_rpc(time_text_encoding, args=(strategy, args.text_repeats))[0]
+            gen.collective_rpc(time_text_encoding, args=("local", 0))  # leave the default in place
+        if not gen.is_output_rank:
+            return None
+        return {"mode": mode, "runs": runs, "text_encoding_strategies": text, "frames_std": float(res.frames.std())}
+
+
+def time_text_encoding(worker: Any, strategy: str, repeats: int) -> float | None:
+    """Median seconds of the encode_text stage (prompt + negative prompt) with `strategy`, on every rank."""
+    import torch.distributed as dist
+
+    from distvideo.config import GenerationRequest
+    from distvideo.pipelines.wan import WanBatch
+
+    worker.parallel.text_encoding = strategy
+    request = GenerationRequest(prompt=PROMPT, negative_prompt=NEGATIVE, guidance_scale=5.0)
+    times = []
+    for _ in range(repeats):
+        dist.barrier(group=worker.cpu_group)
+        start = time.perf_counter()
+        worker.pipeline.encode_text(WanBatch(request=request, do_cfg=True))
+        dist.barrier(group=worker.cpu_group)  # the stage is done when every rank has its embeddings
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) if times else None
+
+
+def run_diffusers_ulysses(args: argparse.Namespace) -> dict[str, Any] | None:
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from diffusers import ContextParallelConfig, WanPipeline
+
+    torch.accelerator.device_count = lambda: 1  # type: ignore[method-assign]  # diffusers assumes an accelerator
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    pipe = WanPipeline.from_pretrained(args.model)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=dist.get_world_size()))
+    vae = pipe.vae
+    z = vae.config.z_dim
+    mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1)
+    inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1)
+
+    def generate(steps: int) -> tuple[dict[str, float], np.ndarray]:
+        kwargs = request_kwargs(args, steps)
+        generator = torch.Generator("cpu").manual_seed(kwargs.pop("seed"))
+        dist.barrier()
+        start = time.perf_counter()
+        latents = pipe(PROMPT, negative_prompt=NEGATIVE, generator=generator, output_type="latent", **kwargs).frames
+        middle = time.perf_counter()
+        with torch.no_grad():  # WanPipeline's own decode, as in its __call__
+            video = vae.decode(latents.to(vae.dtype) / inv_std + mean, return_dict=False)[0]
+            frames = pipe.video_processor.postprocess_video(video, output_type="np")[0]
+        frames = np.round(frames * 255).astype(np.uint8)
+        end = time.perf_counter()
+        return {"text_and_denoise": middle - start, "decode": end - middle, "e2e": end - start}, frames
+
+    generate(1)
+    runs = []
+    for _ in range(args.runs):
+        timing, frames = generate(args.steps)
+        runs.append(timing)
+    rank = dist.get_rank()
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank != 0:
+        return None
+    return {
+        "mode": "diffusers-ulysses2",
+        "runs": runs,
+        "text_encoding_strategies": {},
+        "frames_std": float(frames.std()),
+    }
+
+
+def child_main(args: argparse.Namespace) -> None:
+    result = run_diffusers_ulysses(args) if args.child == "diffusers-ulysses2" else run_distvideo(args.child, args)
+    if result is not None:
+        print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+# --- the driver ------------------------------------------------------------------------------------------------------
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        {
+            "OMP_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1",
+            "DISTVIDEO_NUM_THREADS": "1",  # one intra-op thread per rank, as the comparison asks
+            "DISTVIDEO_NO_PROGRESS": "1",
+            "DISTVIDEO_LOG_LEVEL": "WARNING",
+            "HF_HUB_OFFLINE": "1",
+        }
+    )
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    return env
+
+
+def launch(mode: str, args: argparse.Namespace) -> dict[str, Any]:
+    world = MODES[mode]["world"]
+    script = [str(Path(__file__).resolve()), f"--child={mode}", f"--model={args.model}", f"--runs={args.runs}"]
+    script += [f"--frames={args.frames}", f"--height={args.height}", f"--width={args.width}"]
+    script += [f"--steps={args.steps}", f"--guidance={args.guidance}", f"--text-repeats={args.text_repeats}"]
+    if mode == "single":
+        cmd = [sys.executable, *script]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", *script]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), timeout=args.timeout)
+    for line in proc.stdout.splitlines():
+        if line.startswith(RESULT_PREFIX):
+            return json.loads(line[len(RESULT_PREFIX) :])
+    raise RuntimeError(f"{mode} failed (rc={proc.returncode})\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+
+
+def medians(result: dict[str, Any]) -> dict[str, float]:
+    keys = ("text_and_denoise", "decode", "e2e")
+    return {k: statistics.median(r[k] for r in result["runs"]) for k in keys}
+
+
+def spread(result: dict[str, Any], key: str) -> str:
+    values = [r[key] for r in result["runs"]]
+    return f"{min(values):.2f}-{max(values):.2f}"
+
+
+def report(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
+    med = {mode: medians(r) for mode, r in results.items()}
+    lines = [
+        f"Benchmark checkpoint, {args.frames} frames {args.height}x{args.width}, {args.steps} steps, guidance "
+        f"{args.guidance}; one thread per rank; {os.cpu_count()} CPUs ({platform.processor() or platform.machine()}); "
+        f"{args.rounds} interleaved rounds x {args.runs} timed run(s); median [min-max] in seconds.",
+        "",
+        "| mode | ranks | text enc. + denoising | decode | end to end | load avg at launches |",
+        "|---|---|---|---|---|---|",
+    ]
+    for mode, r in results.items():
+        m = med[mode]
+        cells = [f"{m[k]:.2f} [{spread(r, k)}]" for k in ("text_and_denoise", "decode", "e2e")]
+        loads = ", ".join(f"{x:.1f}" for x in r.get("loads", []))
+        lines.append(f"| {mode} | {MODES[mode]['world']} | {' | '.join(cells)} | {loads} |")
+    lines.append("")
+
+    def ratio(a: str, b: str, key: str, label: str) -> None:
+        if a in med and b in med:
+            lines.append(f"- {label}: {med[a][key] / med[b][key]:.2f}x ({a} / {b})")
+
+    ratio("cfg2", "single", "text_and_denoise", "cfg=2 text enc. + denoising vs one rank")
+    ratio("sp2", "diffusers-ulysses2", "text_and_denoise", "sp=2 text enc. + denoising vs diffusers' Ulysses")
+    ratio("sp2", "single", "text_and_denoise", "sp=2 text enc. + denoising vs one rank")
+    ratio("cfg2", "single", "decode", "decode on 2 ranks (cfg2 launch) vs one rank")
+    ratio("sp2", "single", "decode", "decode on 2 ranks (sp2 launch) vs one rank")
+    ratio("diffusers-ulysses2", "single", "decode", "diffusers' decode under its Ulysses (each rank decodes all)")
+    ratio("cfg2", "single", "e2e", "cfg=2 end to end vs one rank")
+    ratio("sp2", "single", "e2e", "sp=2 end to end vs one rank")
+    for mode, r in results.items():
+        for strategy, per_launch in r.get("text_encoding_strategies", {}).items():
+            shown = ", ".join(f"{x * 1e3:.0f}" for x in per_launch)
+            lines.append(
+                f"- text encoding stage, {mode}, {strategy}: {statistics.median(per_launch) * 1e3:.0f} ms "
+                f"(median of the launches' medians; per launch: {shown} ms)"
+            )
+    return "\n".join(lines)
+
+
+def ensure_checkpoint(path: Path) -> Path:
+    if not (path / "model_index.json").is_file():
+        from distvideo.models.tiny import build_benchmark_checkpoint
+
+        build_benchmark_checkpoint(path)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, among {', '.join(MODES)}")
+    parser.add_argument("--model", default=None, help="checkpoint folder (default: build the benchmark checkpoint)")
+    parser.add_argument("--runs", type=int, default=1, help="timed runs per launch")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved launches of every mode")
+    parser.add_argument("--frames", type=int, default=33)
+    parser.add_argument("--height", type=int, default=192)
+    parser.add_argument("--width", type=int, default=192)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--guidance", type=float, default=5.0)
+    parser.add_argument("--text-repeats", type=int, default=5)
+    parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--json", default=None, help="also write the raw results here")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        child_main(args)
+        return 0
+    if args.model is None:
+        args.model = str(ensure_checkpoint(Path(tempfile.gettempdir()) / "distvideo-benchmark-checkpoint"))
+    results: dict[str, dict[str, Any]] = {}
+    for round_index in range(args.rounds):
+        for mode in args.modes.split(","):
+            start, load = time.perf_counter(), os.getloadavg()[0]
+            one = launch(mode, args)
+            merged = results.setdefault(mode, {"mode": mode, "runs": [], "text_encoding_strategies": {}, "loads": []})
+            merged["runs"] += one["runs"]
+            merged["loads"].append(load)
+            for strategy, seconds in one["text_encoding_strategies"].items():
+                merged["text_encoding_strategies"].setdefault(strategy, []).append(seconds)
+            took = time.perf_counter() - start
+            print(
+                f"round {round_index} {mode}: {one['runs']} (load {load:.1f}, {took:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
+    text = report(results, args)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results, "report": text}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

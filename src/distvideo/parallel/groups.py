@@ -1,0 +1,81 @@
+"""The process groups of a parallel layout, created once per worker after the default group exists.
+
+`torch.distributed.new_group` is collective over the whole world: every rank creates every group, in the same
+order, even the groups it is not in. Each group has a CPU (gloo) twin for control messages; on CPU the device
+groups are gloo already and the twins are the same objects.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from distvideo.parallel.layout import ParallelLayout
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ParallelGroups:
+    layout: ParallelLayout
+    rank: int
+    backend: str  # of the device groups: "gloo" on CPU, "nccl" on CUDA
+    world: Any  # the default group (device backend)
+    world_cpu: Any
+    sp: Any  # this rank's sequence-parallel group (None when sp_size == 1)
+    sp_cpu: Any
+    cfg: Any  # this rank's CFG pair (None when CFG parallelism is off)
+    cfg_cpu: Any
+    timeout: timedelta | None = None
+    _prefix_groups: dict[int, Any] = field(default_factory=dict)
+
+    @classmethod
+    def create(cls, layout: ParallelLayout, *, timeout: timedelta | None = None) -> ParallelGroups:
+        if not dist.is_initialized():
+            raise RuntimeError("ParallelGroups.create needs the default process group (init_process_group) first")
+        if dist.get_world_size() != layout.world_size:
+            raise RuntimeError(
+                f"the process group has {dist.get_world_size()} ranks but the layout says {layout.describe()}"
+            )
+        rank = dist.get_rank()
+        backend = str(dist.get_backend())
+        world = dist.group.WORLD
+        world_cpu = world if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+
+        def mine(all_ranks: list[list[int]]) -> tuple[Any, Any]:
+            device_group = cpu_group = None
+            for ranks in all_ranks:  # every rank creates every group, in the same order
+                g = dist.new_group(ranks=ranks, timeout=timeout)
+                g_cpu = g if backend == "gloo" else dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+                if rank in ranks:
+                    device_group, cpu_group = g, g_cpu
+            return device_group, cpu_group
+
+        sp, sp_cpu = mine(layout.sp_group_ranks()) if layout.sp_enabled else (None, None)
+        cfg, cfg_cpu = mine(layout.cfg_group_ranks()) if layout.cfg_enabled else (None, None)
+        logger.debug("rank %d: process groups for %s (%s)", rank, layout.describe(), backend)
+        return cls(layout, rank, backend, world, world_cpu, sp, sp_cpu, cfg, cfg_cpu, timeout)
+
+    @property
+    def sp_rank(self) -> int:
+        return self.layout.sp_rank(self.rank)
+
+    @property
+    def cfg_rank(self) -> int:
+        return self.layout.cfg_rank(self.rank)
+
+    def prefix_group(self, size: int) -> Any:
+        """The group of ranks 0..size-1 (device backend), e.g. for a decode that uses fewer ranks than the world.
+
+        Created on first use; every rank must ask for the same sizes in the same order (all ranks run the same
+        requests, so they do). Ranks outside the prefix get None.
+        """
+        if size == self.layout.world_size:
+            return self.world
+        if size not in self._prefix_groups:
+            self._prefix_groups[size] = dist.new_group(ranks=list(range(size)), timeout=self.timeout)
+        return self._prefix_groups[size] if self.rank < size else None

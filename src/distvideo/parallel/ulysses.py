@@ -1,0 +1,248 @@
+"""Ulysses sequence parallelism for diffusers' WanTransformer3DModel, applied as a plan to the loaded module.
+
+The model file stays untouched (as torchtitan keeps `parallelize.py` apart from `model.py`); hooks and one attention
+processor change what flows through it:
+
+- model pre-hook: derive the token count of this forward from the latent shape and the patch size;
+- ``rope`` hook: keep this rank's slice of the rotary tables;
+- ``blocks.0`` pre-hook: pad the token sequence to a multiple of sp and keep this rank's contiguous shard;
+- ``attn1`` of every block: :class:`UlyssesAttnProcessor` projects q, k, v for the local tokens and all heads, moves
+  them with ONE all-to-all to all tokens and heads/sp (heads scattered, sequence gathered), attends, and moves the
+  output back with one more; padded key positions are cut off before attention, so they never take part;
+- ``attn2`` (cross-attention) is unchanged: local tokens against the full text, no communication;
+- ``proj_out`` hook: all-gather the shards and drop the padding, before the model unpatchifies.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+
+# --- sequence arithmetic (pure) -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SequenceShard:
+    """Rank `sp_rank`'s contiguous share of a sequence of `seq_len` tokens padded to a multiple of `sp_size`."""
+
+    seq_len: int
+    sp_size: int
+    sp_rank: int
+
+    def __post_init__(self) -> None:
+        if self.seq_len < 1 or self.sp_size < 1 or not 0 <= self.sp_rank < self.sp_size:
+            raise ValueError(f"bad shard: seq_len={self.seq_len}, sp_size={self.sp_size}, sp_rank={self.sp_rank}")
+
+    @property
+    def padded_len(self) -> int:
+        return -(-self.seq_len // self.sp_size) * self.sp_size
+
+    @property
+    def pad(self) -> int:
+        return self.padded_len - self.seq_len
+
+    @property
+    def local_len(self) -> int:
+        return self.padded_len // self.sp_size
+
+    @property
+    def start(self) -> int:
+        return self.sp_rank * self.local_len
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.local_len
+
+    @property
+    def real_local_len(self) -> int:
+        """How many of this rank's tokens are real (the padding sits at the end of the last shards)."""
+        return max(0, min(self.stop, self.seq_len) - self.start)
+
+
+def pad_dim(x: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+    """`x` padded with zeros at the end of `dim` to `length` (unchanged when already that long)."""
+    extra = length - x.shape[dim]
+    if extra < 0:
+        raise ValueError(f"cannot pad dim {dim} of size {x.shape[dim]} to the shorter length {length}")
+    if extra == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = extra
+    return torch.cat([x, x.new_zeros(shape)], dim=dim)
+
+
+def take_shard(x: torch.Tensor, dim: int, shard: SequenceShard) -> torch.Tensor:
+    return pad_dim(x, dim, shard.padded_len).narrow(dim, shard.start, shard.local_len).contiguous()
+
+
+# --- the attention processor ----------------------------------------------------------------------------------------
+
+
+def _apply_rotary_emb(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
+    """Wan's interleaved rotary embedding, as in diffusers' WanAttnProcessor."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    cos = freqs_cos[..., 0::2]
+    sin = freqs_sin[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out.type_as(x)
+
+
+class UlyssesAttnProcessor:
+    """Self-attention (attn1) of a Wan block over a sequence sharded across the SP group.
+
+    Mirrors diffusers' WanAttnProcessor for self-attention (no image context), with the two all-to-alls around
+    the attention op.
+    """
+
+    _parallel_config = None  # diffusers' own context parallelism must stay off on this processor
+
+    def __init__(self, plan: UlyssesPlan, attention_backend: Any = None):
+        self.plan = plan
+        self._attention_backend = attention_backend
+
+    def __call__(
+        self,
+        attn: Any,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        from diffusers.models.attention_dispatch import dispatch_attention_fn
+        from diffusers.models.transformers.transformer_wan import _get_qkv_projections
+
+        if encoder_hidden_states is not None or attention_mask is not None:
+            raise RuntimeError("UlyssesAttnProcessor handles self-attention without a mask only (Wan's attn1)")
+        query, key, value = _get_qkv_projections(attn, hidden_states, None)  # type: ignore[arg-type]
+        query = attn.norm_q(query).unflatten(2, (attn.heads, -1))
+        key = attn.norm_k(key).unflatten(2, (attn.heads, -1))
+        value = value.unflatten(2, (attn.heads, -1))
+        if rotary_emb is not None:
+            query = _apply_rotary_emb(query, *rotary_emb)
+            key = _apply_rotary_emb(key, *rotary_emb)
+
+        # (B, S/sp, H, D) x3 -> (B, S, H/sp, D) x3, in one all-to-all
+        query, key, value = self.plan.scatter_heads_gather_sequence(torch.stack([query, key, value]))
+        seq_len = self.plan.shard.seq_len
+        key, value = key[:, :seq_len], value[:, :seq_len]  # padded keys take no part in attention
+
+        out = dispatch_attention_fn(
+            query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, backend=self._attention_backend
+        )
+        out = self.plan.scatter_sequence_gather_heads(out)  # (B, S, H/sp, D) -> (B, S/sp, H, D)
+        out = out.flatten(2, 3).type_as(query)
+        out = attn.to_out[0](out)
+        return attn.to_out[1](out)
+
+
+# --- the plan -------------------------------------------------------------------------------------------------------
+
+
+class UlyssesPlan:
+    """Applies Ulysses sequence parallelism to a WanTransformer3DModel in place; `remove()` undoes it.
+
+    `counts` records the collectives issued ("all_to_all", "all_gather"), so tests can check there are exactly two
+    all-to-alls per self-attention layer.
+    """
+
+    def __init__(self, group: Any, sp_size: int, sp_rank: int):
+        if sp_size < 2:
+            raise ValueError(f"Ulysses needs sp_size >= 2, got {sp_size}")
+        self.group = group
+        self.sp_size = sp_size
+        self.sp_rank = sp_rank
+        self.counts: Counter[str] = Counter()
+        self._shard: SequenceShard | None = None
+        self._handles: list[Any] = []
+        self._processors: list[tuple[Any, Any]] = []
+        self._patch_size: tuple[int, ...] = (1, 2, 2)
+
+    @property
+    def shard(self) -> SequenceShard:
+        if self._shard is None:
+            raise RuntimeError("the Ulysses plan saw no transformer forward yet")
+        return self._shard
+
+    # -- applying ------------------------------------------------------------------------------------------
+    def apply(self, transformer: Any) -> UlyssesPlan:
+        heads = int(transformer.config.num_attention_heads)
+        if heads % self.sp_size:
+            raise ValueError(f"sp_size({self.sp_size}) must divide the attention heads({heads})")
+        self._patch_size = tuple(int(p) for p in transformer.config.patch_size)
+        self._handles += [
+            transformer.register_forward_pre_hook(self._on_model_input, with_kwargs=True),
+            transformer.rope.register_forward_hook(self._on_rope_output),
+            transformer.blocks[0].register_forward_pre_hook(self._on_first_block_input, with_kwargs=True),
+            transformer.proj_out.register_forward_hook(self._on_proj_out_output),
+        ]
+        for block in transformer.blocks:
+            original = block.attn1.processor
+            self._processors.append((block.attn1, original))
+            block.attn1.set_processor(UlyssesAttnProcessor(self, getattr(original, "_attention_backend", None)))
+        return self
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        for attn, original in self._processors:
+            attn.set_processor(original)
+        self._handles, self._processors = [], []
+
+    # -- hooks ---------------------------------------------------------------------------------------------
+    def _on_model_input(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        hidden_states = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        timestep = kwargs["timestep"] if "timestep" in kwargs else args[1]
+        if timestep.ndim != 1:
+            raise NotImplementedError("sequence parallelism supports one timestep per sample (Wan2.1), not per token")
+        f, h, w = hidden_states.shape[2:]
+        p_t, p_h, p_w = self._patch_size
+        self._shard = SequenceShard((f // p_t) * (h // p_h) * (w // p_w), self.sp_size, self.sp_rank)
+
+    def _on_rope_output(self, module: Any, args: Any, output: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        return tuple(take_shard(freqs, 1, self.shard) for freqs in output)  # (1, S, 1, D) -> (1, S/sp, 1, D)
+
+    def _on_first_block_input(
+        self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if "hidden_states" in kwargs:
+            kwargs = {**kwargs, "hidden_states": take_shard(kwargs["hidden_states"], 1, self.shard)}
+        else:
+            args = (take_shard(args[0], 1, self.shard), *args[1:])
+        return args, kwargs
+
+    def _on_proj_out_output(self, module: Any, args: Any, output: torch.Tensor) -> torch.Tensor:
+        shards = [torch.empty_like(output) for _ in range(self.sp_size)]
+        dist.all_gather(shards, output.contiguous(), group=self.group)
+        self.counts["all_gather"] += 1
+        return torch.cat(shards, dim=1)[:, : self.shard.seq_len]
+
+    # -- the two all-to-alls -------------------------------------------------------------------------------
+    def scatter_heads_gather_sequence(self, qkv: torch.Tensor) -> torch.Tensor:
+        """(3, B, S/sp, H, D) on each rank -> (3, B, S_padded, H/sp, D): rank j receives heads j*H/sp.. of all."""
+        n, b, s_local, heads, d = qkv.shape
+        sp = self.sp_size
+        send = qkv.reshape(n, b, s_local, sp, heads // sp, d).permute(3, 0, 1, 2, 4, 5).contiguous()
+        recv = torch.empty_like(send)  # (sp source ranks, 3, B, S/sp, H/sp, D)
+        dist.all_to_all_single(recv, send, group=self.group)
+        self.counts["all_to_all"] += 1
+        return recv.permute(1, 2, 0, 3, 4, 5).reshape(n, b, sp * s_local, heads // sp, d)
+
+    def scatter_sequence_gather_heads(self, out: torch.Tensor) -> torch.Tensor:
+        """(B, S_padded, H/sp, D) -> (B, S/sp, H, D): the inverse of `scatter_heads_gather_sequence` for one tensor."""
+        b, s_padded, heads_local, d = out.shape
+        sp = self.sp_size
+        send = out.reshape(b, sp, s_padded // sp, heads_local, d).transpose(0, 1).contiguous()
+        recv = torch.empty_like(send)  # (sp source ranks = head chunks, B, S/sp, H/sp, D)
+        dist.all_to_all_single(recv, send, group=self.group)
+        self.counts["all_to_all"] += 1
+        return recv.permute(1, 2, 0, 3, 4).reshape(b, s_padded // sp, sp * heads_local, d)

@@ -1,0 +1,280 @@
+"""Exact parallel VAE decode for diffusers' AutoencoderKLWan: each rank decodes one band of rows.
+
+Wan's decoder is local in rows almost everywhere: 3x3 spatial convolutions (causal in time, with a per-frame
+feature cache), per-pixel RMS norms over channels, SiLU, nearest upsampling (output row i comes from input row i//2)
+and 3x1x1 time convolutions. So a rank can decode its band of latent rows exactly if, before every convolution with
+a spatial kernel, it receives the `padding` rows next to its band from each neighbour (zeros only at the true top
+and bottom edges). The causal time cache then holds un-haloed frames and the halo is taken over cache + new frames
+together, so cached rows always match what the single-rank decoder saw. The mid block's attention is global over
+the frame: the bands are gathered before it (it runs at latent resolution, which is cheap) and split after. A fixed
+margin instead of per-layer halos would not pay: the receptive field of the upsampling path is about a dozen latent
+rows. Finally the output rank gathers the bands.
+
+The plan patches the decoder's modules in place (instance `forward` of the spatial convolutions, hooks on the
+attention blocks) and is inert outside :meth:`BandedVaeDecoder.decode`, so single-rank decoding is unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+#: Fewest latent rows a band may have. Halo traffic per convolution is fixed (one row per side) while the work
+#: shrinks with the band, and below two rows every first-level convolution exchanges as many rows as it computes.
+MIN_BAND_ROWS = 2
+
+# Decoder module classes (by name) known to be local in rows, or handled by this plan. Anything else in the decoder
+# stops the plan from applying: a new diffusers layer might mix rows, and a wrong frame is worse than a slow one.
+_ROW_LOCAL_MODULES = frozenset(
+    {
+        "WanDecoder3d", "WanMidBlock", "WanUpBlock", "WanResidualUpBlock", "WanResidualBlock", "WanResample",
+        "WanRMS_norm", "WanUpsample", "DupUp3D", "Sequential", "ModuleList", "Dropout", "Identity", "SiLU",
+        "WanCausalConv3d", "Conv2d", "WanAttentionBlock",
+    }
+)  # fmt: skip
+
+
+# --- band arithmetic (pure) -----------------------------------------------------------------------------------------
+
+
+def split_rows(num_rows: int, num_bands: int) -> list[tuple[int, int]]:
+    """Contiguous (start, stop) bands covering `num_rows`; the first `num_rows % num_bands` get one row more."""
+    if num_bands < 1 or num_rows < num_bands:
+        raise ValueError(f"cannot split {num_rows} rows into {num_bands} non-empty bands")
+    base, extra = divmod(num_rows, num_bands)
+    bands, start = [], 0
+    for i in range(num_bands):
+        stop = start + base + (1 if i < extra else 0)
+        bands.append((start, stop))
+        start = stop
+    return bands
+
+
+def decode_band_count(latent_rows: int, world_size: int, min_rows: int = MIN_BAND_ROWS) -> int:
+    """How many ranks decode: all of them, unless bands would get fewer than `min_rows` latent rows (then fewer
+    ranks, the first ones; 1 means a single-rank decode on the output rank)."""
+    if latent_rows < 1 or world_size < 1 or min_rows < 1:
+        raise ValueError(f"bad decode split: latent_rows={latent_rows}, world_size={world_size}, min_rows={min_rows}")
+    return max(1, min(world_size, latent_rows // min_rows))
+
+
+def conv_row_halo(kernel_rows: int, stride_rows: int, padding_rows: int) -> int:
+    """Rows a band needs from each neighbour before a 'same' convolution: its padding (kernel 3 -> 1)."""
+    if stride_rows != 1 or kernel_rows != 2 * padding_rows + 1:
+        raise ValueError(
+            f"a banded decode needs stride-1 'same' convolutions over rows; got kernel {kernel_rows}, stride "
+            f"{stride_rows}, padding {padding_rows}"
+        )
+    return padding_rows
+
+
+# --- the band of one decode -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Band:
+    group: Any
+    index: int  # position in the group (band order = rank order)
+    bands: tuple[tuple[int, int], ...]  # latent rows of every band
+    prev_rank: int | None  # global rank holding the band above, None at the top edge
+    next_rank: int | None
+
+    @property
+    def count(self) -> int:
+        return len(self.bands)
+
+    def rows(self, i: int) -> int:
+        return self.bands[i][1] - self.bands[i][0]
+
+
+class BandedVaeDecoder:
+    """Decode with the world split into bands of rows; apply once to the loaded VAE, then call `decode`."""
+
+    def __init__(self, group_for: Callable[[int], Any], rank: int, world_size: int, min_rows: int = MIN_BAND_ROWS):
+        self.group_for = group_for  # size -> process group of ranks 0..size-1 (None on ranks outside it)
+        self.rank = rank
+        self.world_size = world_size
+        self.min_rows = min_rows
+        self.counts: Counter[str] = Counter()
+        self.vae: Any = None
+        self._band: _Band | None = None
+        self._restore: list[Callable[[], None]] = []
+
+    # -- applying ------------------------------------------------------------------------------------------
+    def apply(self, vae: Any) -> BandedVaeDecoder:
+        from diffusers.models.autoencoders.autoencoder_kl_wan import WanAttentionBlock, WanCausalConv3d
+
+        unknown = sorted({type(m).__name__ for m in vae.decoder.modules()} - _ROW_LOCAL_MODULES)
+        if unknown:
+            raise NotImplementedError(
+                f"the banded VAE decode does not know whether {unknown} are local in rows; decode on one rank"
+            )
+        for module in vae.decoder.modules():
+            if isinstance(module, WanCausalConv3d):
+                if module.kernel_size[1] > 1:
+                    self._patch(module, self._haloed_causal_conv3d(module))
+            elif isinstance(module, nn.Conv2d):
+                if module.kernel_size[0] > 1:
+                    self._patch(module, self._haloed_conv2d(module))
+            elif isinstance(module, WanAttentionBlock):
+                handles = [
+                    module.register_forward_pre_hook(self._gather_before_attention),
+                    module.register_forward_hook(self._split_after_attention),
+                ]
+                self._restore += [h.remove for h in handles]
+        self.vae = vae
+        return self
+
+    def remove(self) -> None:
+        for undo in reversed(self._restore):
+            undo()
+        self._restore = []
+
+    def _patch(self, module: nn.Module, forward: Callable[..., torch.Tensor]) -> None:
+        module.forward = forward  # type: ignore[method-assign]
+        self._restore.append(lambda: delattr(module, "forward"))
+
+    def _haloed_causal_conv3d(self, conv: Any) -> Callable[..., torch.Tensor]:
+        """WanCausalConv3d.forward with the rows' zero padding replaced by the neighbours' rows inside a decode."""
+        original = conv.forward
+        w_pad, w_pad2, h_pad, h_pad2, _, t_after = conv._padding
+        if (w_pad, h_pad, t_after) != (w_pad2, h_pad2, 0):
+            raise NotImplementedError(f"unexpected WanCausalConv3d padding {conv._padding}")
+        halo = conv_row_halo(conv.kernel_size[1], conv.stride[1], h_pad)
+
+        def forward(x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
+            if self._band is None:
+                return original(x, cache_x)
+            padding = list(conv._padding)
+            if cache_x is not None and padding[4] > 0:
+                x = torch.cat([cache_x.to(x.device), x], dim=2)
+                padding[4] -= cache_x.shape[2]
+            x = self.exchange_halo(x, halo)
+            padding[2] = padding[3] = 0
+            return nn.Conv3d.forward(conv, F.pad(x, padding))
+
+        return forward
+
+    def _haloed_conv2d(self, conv: nn.Conv2d) -> Callable[[torch.Tensor], torch.Tensor]:
+        original = conv.forward
+        if conv.padding_mode != "zeros" or isinstance(conv.padding, str):
+            raise NotImplementedError(f"unexpected Conv2d padding {conv.padding!r} ({conv.padding_mode})")
+        h_pad, w_pad = conv.padding
+        halo = conv_row_halo(conv.kernel_size[0], conv.stride[0], h_pad)
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            if self._band is None:
+                return original(x)
+            x = F.pad(self.exchange_halo(x, halo), (w_pad, w_pad, 0, 0))
+            return F.conv2d(x, conv.weight, conv.bias, conv.stride, 0, conv.dilation, conv.groups)
+
+        return forward
+
+    # -- communication inside a decode ---------------------------------------------------------------------
+    def exchange_halo(self, x: torch.Tensor, halo: int) -> torch.Tensor:
+        """`x` (..., rows, W) with `halo` rows of each neighbour's band above and below (zeros at the edges)."""
+        band = self._band
+        assert band is not None
+        if x.shape[-2] < halo:
+            raise RuntimeError(f"a band of {x.shape[-2]} rows cannot provide a halo of {halo}")
+        shape = (*x.shape[:-2], halo, x.shape[-1])
+        top, bottom = x.new_zeros(shape), x.new_zeros(shape)
+        ops = []
+        if band.prev_rank is not None:
+            ops += [
+                dist.P2POp(dist.isend, x[..., :halo, :].contiguous(), band.prev_rank, band.group),
+                dist.P2POp(dist.irecv, top, band.prev_rank, band.group),
+            ]
+        if band.next_rank is not None:
+            ops += [
+                dist.P2POp(dist.isend, x[..., -halo:, :].contiguous(), band.next_rank, band.group),
+                dist.P2POp(dist.irecv, bottom, band.next_rank, band.group),
+            ]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        self.counts["halo_exchange"] += 1
+        return torch.cat([top, x, bottom], dim=-2)
+
+    def gather_rows(self, x: torch.Tensor, dst: int | None = None) -> torch.Tensor | None:
+        """The full frame from every rank's band (rows are dim -2): on every rank, or only on group rank `dst`."""
+        band = self._band
+        assert band is not None
+        scale = x.shape[-2] // band.rows(band.index)  # bands grow alike through the decoder's upsampling
+        most = max(band.rows(i) for i in range(band.count)) * scale
+        padded = (
+            x
+            if x.shape[-2] == most
+            else torch.cat([x, x.new_zeros((*x.shape[:-2], most - x.shape[-2], x.shape[-1]))], -2)
+        )
+        padded = padded.contiguous()
+        pieces = [torch.empty_like(padded) for _ in range(band.count)]
+        if dst is None:
+            dist.all_gather(pieces, padded, group=band.group)
+            self.counts["all_gather"] += 1
+        else:
+            receiving = band.index == dst
+            dist.gather(padded, pieces if receiving else None, group_dst=dst, group=band.group)
+            self.counts["gather"] += 1
+            if not receiving:
+                return None
+        return torch.cat([p[..., : band.rows(i) * scale, :] for i, p in enumerate(pieces)], dim=-2)
+
+    def _gather_before_attention(self, module: Any, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        if self._band is None:
+            return None
+        return (self.gather_rows(args[0]), *args[1:])
+
+    def _split_after_attention(self, module: Any, args: Any, output: torch.Tensor) -> torch.Tensor | None:
+        band = self._band
+        if band is None:
+            return None
+        scale = output.shape[-2] // sum(band.rows(i) for i in range(band.count))
+        start, stop = band.bands[band.index]
+        return output[..., start * scale : stop * scale, :].contiguous()
+
+    # -- decoding ------------------------------------------------------------------------------------------
+    @contextmanager
+    def _active(self, band: _Band) -> Iterator[None]:
+        self._band = band
+        try:
+            yield
+        finally:
+            self._band = None
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor | None:
+        """Decoded video (B, C, T, H, W) on rank 0, None on the other ranks. Every rank must call it."""
+        if self.vae is None:
+            raise RuntimeError("BandedVaeDecoder.decode before apply(vae)")
+        latent_rows = latents.shape[-2]
+        count = decode_band_count(latent_rows, self.world_size, self.min_rows)
+        if getattr(self.vae, "use_tiling", False):
+            count = 1  # diffusers' tiled decode blends overlapping tiles: not a banded computation
+        if count == 1:
+            logger.debug("latent height %d: decoding on rank 0 only", latent_rows)
+            return self.vae.decode(latents, return_dict=False)[0] if self.rank == 0 else None
+        group = self.group_for(count)
+        if self.rank >= count:
+            return None
+        bands = tuple(split_rows(latent_rows, count))
+        band = _Band(
+            group=group,
+            index=self.rank,
+            bands=bands,
+            prev_rank=dist.get_global_rank(group, self.rank - 1) if self.rank > 0 else None,
+            next_rank=dist.get_global_rank(group, self.rank + 1) if self.rank < count - 1 else None,
+        )
+        start, stop = bands[self.rank]
+        with self._active(band):
+            video = self.vae.decode(latents[..., start:stop, :].contiguous(), return_dict=False)[0]
+            return self.gather_rows(video, dst=0)
