@@ -81,31 +81,33 @@ def run_distvideo(mode: str, args: argparse.Namespace) -> dict[str, Any] | None:
             )
         text = {}
         if spec["world"] > 1:
-            for strategy in ("local", "broadcast"):
-                text[strategy] = gen.collective_rpc(time_text_encoding, args=(strategy, args.text_repeats))[0]
-            gen.collective_rpc(time_text_encoding, args=("local", 0))  # leave the default in place
+            text = gen.collective_rpc(time_text_encoding, args=(("local", "broadcast"), args.text_repeats))[0]
         if not gen.is_output_rank:
             return None
         return {"mode": mode, "runs": runs, "text_encoding_strategies": text, "frames_std": float(res.frames.std())}
 
 
-def time_text_encoding(worker: Any, strategy: str, repeats: int) -> float | None:
-    """Median seconds of the encode_text stage (prompt + negative prompt) with `strategy`, on every rank."""
+def time_text_encoding(worker: Any, strategies: tuple[str, ...], repeats: int) -> dict[str, float]:
+    """Median seconds of the encode_text stage (prompt + negative prompt) per strategy; the strategies alternate, so
+    load from other processes hits them alike."""
     import torch.distributed as dist
 
     from distvideo.config import GenerationRequest
     from distvideo.pipelines.wan import WanBatch
 
-    worker.parallel.text_encoding = strategy
     request = GenerationRequest(prompt=PROMPT, negative_prompt=NEGATIVE, guidance_scale=5.0)
-    times = []
+    default = worker.parallel.text_encoding
+    times: dict[str, list[float]] = {s: [] for s in strategies}
     for _ in range(repeats):
-        dist.barrier(group=worker.cpu_group)
-        start = time.perf_counter()
-        worker.pipeline.encode_text(WanBatch(request=request, do_cfg=True))
-        dist.barrier(group=worker.cpu_group)  # the stage is done when every rank has its embeddings
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) if times else None
+        for strategy in strategies:
+            worker.parallel.text_encoding = strategy
+            dist.barrier(group=worker.cpu_group)
+            start = time.perf_counter()
+            worker.pipeline.encode_text(WanBatch(request=request, do_cfg=True))
+            dist.barrier(group=worker.cpu_group)  # the stage is done when every rank has its embeddings
+            times[strategy].append(time.perf_counter() - start)
+    worker.parallel.text_encoding = default
+    return {s: statistics.median(t) for s, t in times.items()}
 
 
 def run_diffusers_ulysses(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -267,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=192)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--guidance", type=float, default=5.0)
-    parser.add_argument("--text-repeats", type=int, default=5)
+    parser.add_argument("--text-repeats", type=int, default=20)
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--json", default=None, help="also write the raw results here")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)

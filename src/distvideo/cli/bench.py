@@ -113,6 +113,8 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
         if not json_path.parent.is_dir():
             raise ConfigError(f"--json {args.json_path}: folder {json_path.parent} does not exist; create it first")
     engine, request = configs_from_args(args)
+    if engine.lora and args.compare == "diffusers":
+        raise ConfigError("--lora with --compare diffusers: the diffusers side would run without the adapter; drop one")
     if engine.model is None:
         engine = dataclasses.replace(engine, model=str(embedded_model_path()))
     info = probe_model(str(engine.model))
@@ -162,7 +164,7 @@ def reset_peak_memory(device: Any) -> str:
             f.write("5")
         return "peak RSS of the run (VmHWM after reset)"
     except OSError:
-        return "peak RSS of the process lifetime (ru_maxrss)"
+        return "peak RSS of the process lifetime (VmHWM, no reset possible)"
 
 
 def read_peak_memory_mb(device: Any) -> float:
@@ -567,6 +569,13 @@ def run_bench(gen: Any, plan: BenchPlan, request: GenerationRequest, show_progre
                     if theirs is not None and frames is not None:
                         frames_diff = max_abs_diff(frames, theirs)
                 bar.update()
+                logger.debug(
+                    "%s %d: distvideo %.2f s%s",
+                    "run" if measured else "warm-up",
+                    i - plan.warmup if measured else i,
+                    ours["e2e_s"],
+                    f", diffusers {reference['e2e_s']:.2f} s" if reference is not None else "",
+                )
                 if not measured:
                     continue
                 peak = sum(peak_per_rank)
@@ -605,15 +614,20 @@ def build_report(
     ours = median_record([r["distvideo"] for r in runs])
     compared = [r for r in runs if "diffusers" in r]
     theirs = median_record([r["diffusers"] for r in compared]) if compared else None
-    ratios = (
-        {name: statistics.median(r["ratios"][name] for r in compared) for name in RATIO_FIGURES} if compared else None
-    )
+    ratios = ratios_range = None
+    if compared:
+        ratios = {name: statistics.median(r["ratios"][name] for r in compared) for name in RATIO_FIGURES}
+        ratios_range = {
+            name: [min(r["ratios"][name] for r in compared), max(r["ratios"][name] for r in compared)]
+            for name in RATIO_FIGURES
+        }
     matmul_peak = statistics.median(sum(r["matmul_flops_per_rank"]) for r in runs)
     return {
         "distvideo": ours,
         "diffusers": theirs,
         "ratio_e2e": ratios["e2e_s"] if ratios else None,
         "ratios": ratios,
+        "ratios_range": ratios_range,
         "config": {
             "model": str(plan.engine.model),
             "prompt": request.prompt,
@@ -718,19 +732,23 @@ def format_report(report: Mapping[str, Any]) -> str:
         f"  medians of {cfg['runs']} runs (+{cfg['warmup']} warm-up), interleaved; ratio = median over runs of "
         "distvideo / diffusers (< 1: distvideo better)",
         "",
-        f"{'':{width}}{'distvideo':>14}{'diffusers' if theirs else '':>14}{'ratio' if theirs else '':>9}",
+        f"{'':{width}}{'distvideo':>14}{'diffusers' if theirs else '':>14}{'ratio' if theirs else '':>9}"
+        f"{'(min-max)' if theirs else '':>14}",
     ]
     for label, show, key in rows:
         line = f"{label:{width}}{show(ours):>14}"
         if theirs:
-            line += f"{show(theirs):>14}" + (f"{ratios[key]:>9.3f}" if key else "")
+            line += f"{show(theirs):>14}"
+            if key:
+                low, high = report["ratios_range"][key]
+                line += f"{ratios[key]:>9.3f}{f'{low:.2f}-{high:.2f}':>14}"
         lines.append(line)
     check = report["check"]["frames_max_abs_diff"]
     mem_ranks = ours.get("peak_memory_mb_per_rank") or []
     lines += [
         "",
         f"matmul peak {_flops(report['matmul_peak_flops'])}/s ({env['matmul']['dtype']} "
-        f"{env['matmul']['size']}^3, {env['threads']} threads/rank); MFU = transformer FLOP/s / matmul peak",
+        f"{env['matmul']['size']}^3, {env['threads']} thread(s) per rank); MFU = transformer FLOP/s / matmul peak",
         f"memory: {env['memory_metric']}"
         + (f"; per rank {', '.join(f'{m:.0f}' for m in mem_ranks)} MiB" if len(mem_ranks) > 1 else ""),
     ]

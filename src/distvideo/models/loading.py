@@ -1,14 +1,19 @@
-"""Loading a checkpoint's components with the classes model_index.json names (diffusers, transformers)."""
+"""Loading a checkpoint's components with the classes model_index.json names (diffusers, transformers), and the
+cheap checks of its files (`verify_component_files`) that run before any process starts or weight loads."""
 
 from __future__ import annotations
 
 import importlib
+import json
 import logging
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import torch
-
+from distvideo.config import ConfigError
 from distvideo.models.registry import ModelInfo
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -44,9 +49,10 @@ def load_component(info: ModelInfo, name: str, dtype: torch.dtype | None = None)
             return cls.from_pretrained(str(info.path), subfolder="scheduler")
         return cls.from_pretrained(str(folder), **kwargs)
     except Exception as exc:
+        broken = _component_problem(info.path / name, name)
         raise ModelLoadError(
             f"cannot load the {name} ({library}.{class_name}) from {folder}: {type(exc).__name__}: {exc}. "
-            "Check that the folder is complete (re-download missing or corrupt *.safetensors files)."
+            + (f"{broken}; re-download it." if broken else "Check that the folder is complete (re-download it).")
         ) from exc
 
 
@@ -66,3 +72,77 @@ def load_components(info: ModelInfo, dtypes: dict[str, torch.dtype]) -> dict[str
         out[name] = load_component(info, name, dtypes.get(name))
         logger.debug("loaded %s from %s", name, info.path / name)
     return out
+
+
+# --- file checks before loading -----------------------------------------------------------------------------------
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
+_NO_WEIGHTS = ("tokenizer", "scheduler")  # components made of JSON / vocabulary files only
+
+
+def verify_component_files(info: ModelInfo) -> None:
+    """Reject a checkpoint folder whose files are missing or visibly corrupt, naming the file (ConfigError), before any
+    process starts or weight loads: every weight component has a weight file, every shard its index lists exists,
+    every *.safetensors header is readable and covers the file (a truncated download fails here), every JSON file of
+    the tokenizer parses. Reads headers only, never the weights."""
+    for name in info.family.components:
+        problem = _component_problem(info.path / name, name)
+        if problem:
+            raise ConfigError(f"--model {info.path}: {problem}; re-download the checkpoint (or that file)")
+
+
+def _component_problem(folder: Path, name: str) -> str | None:
+    """What is wrong with a component's files, or None when the cheap checks pass."""
+    try:
+        return _broken_json(folder) if name in _NO_WEIGHTS else _broken_weights(folder)
+    except OSError as exc:
+        return f"{folder}/ cannot be read ({exc})"
+
+
+def _broken_weights(folder: Path) -> str | None:
+    files = sorted(p for p in folder.iterdir() if p.is_file())
+    weights = [p for p in files if p.name.endswith(_WEIGHT_SUFFIXES)]
+    for index in (p for p in files if p.name.endswith(".index.json")):
+        problem = _broken_json_file(index)
+        if problem:
+            return problem
+        shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
+        missing = sorted(str(s) for s in shards if not (folder / str(s)).is_file())
+        if missing:
+            return f"{index} lists shard(s) that are missing: {', '.join(missing)}"
+    if not weights:
+        return (
+            f"{folder}/ has no weight file (expected e.g. diffusion_pytorch_model.safetensors or model.safetensors; "
+            f"found {', '.join(p.name for p in files) or 'nothing'})"
+        )
+    for path in weights:
+        problem = _broken_safetensors(path) if path.suffix == ".safetensors" else None
+        if problem:
+            return problem
+    return None
+
+
+def _broken_safetensors(path: Path) -> str | None:
+    """Why `path` is not a complete safetensors file (its header is read, and checked against the file size)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="np"):
+            return None
+    except (SafetensorError, OSError) as exc:
+        return f"{path} is corrupt or truncated ({path.stat().st_size} bytes): {exc}"
+
+
+def _broken_json(folder: Path) -> str | None:
+    for path in sorted(folder.glob("*.json")):
+        problem = _broken_json_file(path)
+        if problem:
+            return problem
+    return None
+
+
+def _broken_json_file(path: Path) -> str | None:
+    try:
+        json.loads(path.read_bytes())
+    except (ValueError, OSError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        return f"{path} is not valid JSON ({exc})"
+    return None

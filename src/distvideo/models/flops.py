@@ -1,0 +1,100 @@
+"""Analytic FLOP counts of model forwards, for achieved FLOP/s and model FLOP utilisation (MFU).
+
+Only matrix multiplications are counted, each as 2*m*n*k (a multiply and an add per term). Norms, RoPE, the
+adaLN modulation, activations, softmax, bias and residual adds and the sinusoidal timestep embedding are
+elementwise and left out. Attention over the text counts every text position the transformer is given, padding
+included, because that is what it computes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = ["WAN_TRANSFORMER_DEFAULTS", "matmul_flops", "wan_transformer_flops", "wan_transformer_flops_breakdown"]
+
+#: ``WanTransformer3DModel``'s constructor defaults (diffusers), used for keys a config.json leaves out.
+WAN_TRANSFORMER_DEFAULTS: dict[str, Any] = {
+    "patch_size": (1, 2, 2),
+    "num_attention_heads": 40,
+    "attention_head_dim": 128,
+    "in_channels": 16,
+    "out_channels": 16,
+    "text_dim": 4096,
+    "freq_dim": 256,
+    "ffn_dim": 13824,
+    "num_layers": 40,
+    "image_dim": None,
+    "added_kv_proj_dim": None,
+}
+
+
+def wan_transformer_flops_breakdown(
+    config: Mapping[str, Any], latent_shape: Sequence[int], text_len: int
+) -> dict[str, int]:
+    """Matmul FLOPs of one ``WanTransformer3DModel`` forward, by part.
+
+    ``config`` is the transformer's config.json (a dict); ``latent_shape`` the ``(batch, channels, frames, height,
+    width)`` of the latents it is given; ``text_len`` the number of text tokens in ``encoder_hidden_states``
+    (the tokenizer's ``max_sequence_length``, 512 for Wan, since the pipeline pads the prompt to it).
+
+    With B the batch, S = (F/pt)(H/ph)(W/pw) the video tokens, D = heads x head_dim, L = text_len, P = pt*ph*pw:
+
+    - ``patch_embedding``: the Conv3d with stride = kernel is one matmul, 2*B*S*D*(C_in*P).
+    - ``condition_embedder``: timestep MLP 2*B*(freq*D + D*D), its 6-way projection 2*B*D*6D, and the text
+      projection MLP 2*B*L*(text_dim*D + D*D).
+    - per block, ``self_attention_proj``: Q, K, V and output projections, 4 * 2*B*S*D*D.
+    - per block, ``self_attention``: QK^T and AV over all heads, 2 * 2*B*S*S*D.
+    - per block, ``cross_attention_proj``: Q and output projections of the video tokens, 2 * 2*B*S*D*D, plus the K
+      and V projections of the text, computed once per forward in every block, 2 * 2*B*L*D*D.
+    - per block, ``cross_attention``: QK^T and AV against the text, 2 * 2*B*S*L*D.
+    - per block, ``ffn``: two linears D -> ffn_dim -> D, 2 * 2*B*S*D*ffn_dim.
+    - ``proj_out``: 2*B*S*D*(C_out*P).
+
+    Image conditioning (``image_dim`` / ``added_kv_proj_dim``, the I2V models) is not counted and rejected.
+    """
+    cfg = {**WAN_TRANSFORMER_DEFAULTS, **config}
+    if cfg.get("image_dim") is not None or cfg.get("added_kv_proj_dim") is not None:
+        raise ValueError("wan_transformer_flops counts text-to-video transformers only (image_dim is set)")
+    if len(latent_shape) != 5:
+        raise ValueError(f"latent_shape={tuple(latent_shape)} must be (batch, channels, frames, height, width)")
+    batch, channels, frames, height, width = (int(x) for x in latent_shape)
+    pt, ph, pw = (int(x) for x in cfg["patch_size"])
+    if frames % pt or height % ph or width % pw:
+        raise ValueError(f"latent_shape={tuple(latent_shape)} is not divisible by patch_size={(pt, ph, pw)}")
+    tokens = (frames // pt) * (height // ph) * (width // pw)
+    dim = int(cfg["num_attention_heads"]) * int(cfg["attention_head_dim"])
+    ffn, layers, freq, text_dim = (int(cfg[k]) for k in ("ffn_dim", "num_layers", "freq_dim", "text_dim"))
+    out_channels = int(cfg["out_channels"] or cfg["in_channels"])
+    patch = pt * ph * pw
+
+    s, d, t = batch * tokens, dim, batch * text_len
+    per_block = {
+        "self_attention_proj": 4 * matmul_flops(s, d, d),
+        "self_attention": 2 * batch * matmul_flops(tokens, tokens, d),
+        "cross_attention_proj": 2 * matmul_flops(s, d, d) + 2 * matmul_flops(t, d, d),
+        "cross_attention": 2 * batch * matmul_flops(tokens, text_len, d),
+        "ffn": matmul_flops(s, ffn, d) + matmul_flops(s, d, ffn),
+    }
+    out = {
+        "patch_embedding": matmul_flops(s, d, channels * patch),
+        "condition_embedder": matmul_flops(batch, d, freq)
+        + matmul_flops(batch, d, d)
+        + matmul_flops(batch, 6 * d, d)
+        + matmul_flops(t, d, text_dim)
+        + matmul_flops(t, d, d),
+        **{name: layers * value for name, value in per_block.items()},
+        "proj_out": matmul_flops(s, out_channels * patch, d),
+    }
+    return out
+
+
+def wan_transformer_flops(config: Mapping[str, Any], latent_shape: Sequence[int], text_len: int) -> int:
+    """Total matmul FLOPs of one ``WanTransformer3DModel`` forward (see :func:`wan_transformer_flops_breakdown`)."""
+    return sum(wan_transformer_flops_breakdown(config, latent_shape, text_len).values())
+
+
+def matmul_flops(m: int, n: int, k: int) -> int:
+    """FLOPs of one (m x k) @ (k x n) matmul: 2*m*n*k."""
+    return 2 * math.prod((m, n, k))

@@ -1,0 +1,223 @@
+"""`distvideo bench`: the analytic FLOP count, the JSON report, and bad input refused before any loading."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+import torch
+
+from distvideo.cli import bench
+from distvideo.cli.main import main
+from distvideo.models.flops import wan_transformer_flops, wan_transformer_flops_breakdown
+
+# 1 layer, 2 heads x 4 = dim 8, ffn 16; latents (1, 4, 2, 4, 6) -> 2 x 2 x 3 = 12 tokens; 5 text tokens
+TINY = {
+    "patch_size": [1, 2, 2],
+    "num_attention_heads": 2,
+    "attention_head_dim": 4,
+    "in_channels": 4,
+    "out_channels": 4,
+    "text_dim": 6,
+    "freq_dim": 10,
+    "ffn_dim": 16,
+    "num_layers": 1,
+    "image_dim": None,
+    "added_kv_proj_dim": None,
+}
+LATENTS = (1, 4, 2, 4, 6)
+TEXT_LEN = 5
+
+
+def test_flop_count_matches_hand_count():
+    S, D, L, F = 12, 8, 5, 16  # tokens, model width, text tokens, ffn width
+    C, P, freq, text_dim = 4, 1 * 2 * 2, 10, 6  # channels, patch volume
+    expected = {
+        "patch_embedding": 2 * S * D * (C * P),  # Conv3d with stride = kernel: one matmul
+        "condition_embedder": 2 * (freq * D + D * D + D * 6 * D) + 2 * L * (text_dim * D + D * D),
+        "self_attention_proj": 4 * (2 * S * D * D),  # q, k, v, out
+        "self_attention": 2 * (2 * S * S * D),  # QK^T and AV over all heads
+        "cross_attention_proj": 2 * (2 * S * D * D) + 2 * (2 * L * D * D),  # q, out on video; k, v on text
+        "cross_attention": 2 * (2 * S * L * D),
+        "ffn": 2 * (2 * S * D * F),
+        "proj_out": 2 * S * D * (C * P),
+    }
+    assert expected == {
+        "patch_embedding": 3072,
+        "condition_embedder": 2176,
+        "self_attention_proj": 6144,
+        "self_attention": 4608,
+        "cross_attention_proj": 4352,
+        "cross_attention": 1920,
+        "ffn": 6144,
+        "proj_out": 3072,
+    }
+    assert wan_transformer_flops_breakdown(TINY, LATENTS, TEXT_LEN) == expected
+    assert wan_transformer_flops(TINY, LATENTS, TEXT_LEN) == sum(expected.values()) == 31488
+
+
+BLOCK_PARTS = ("self_attention_proj", "self_attention", "cross_attention_proj", "cross_attention", "ffn")
+
+
+def test_flop_count_scales_with_layers_batch_and_tokens():
+    one = wan_transformer_flops_breakdown(TINY, LATENTS, TEXT_LEN)
+    two = wan_transformer_flops_breakdown({**TINY, "num_layers": 2}, LATENTS, TEXT_LEN)
+    for part in one:
+        assert two[part] == (2 * one[part] if part in BLOCK_PARTS else one[part]), part
+    batch2 = wan_transformer_flops_breakdown(TINY, (2, *LATENTS[1:]), TEXT_LEN)
+    assert all(batch2[p] == 2 * one[p] for p in one)
+    frames2 = wan_transformer_flops_breakdown(TINY, (1, 4, 4, 4, 6), TEXT_LEN)  # twice the tokens
+    assert frames2["self_attention"] == 4 * one["self_attention"]
+    assert frames2["ffn"] == 2 * one["ffn"] and frames2["cross_attention"] == 2 * one["cross_attention"]
+    with pytest.raises(ValueError, match="patch_size"):
+        wan_transformer_flops(TINY, (1, 4, 2, 5, 6), TEXT_LEN)
+
+
+def test_flop_count_matches_torch_flop_counter_on_diffusers_model():
+    """The same count as torch's FlopCounterMode over a real WanTransformer3DModel forward (it counts matmuls,
+    convolutions and attention; CPU's fused attention kernel gets the SDPA formula)."""
+    from diffusers import WanTransformer3DModel
+    from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+
+    config = {**TINY, "num_layers": 2}
+    model = WanTransformer3DModel(**{k: v for k, v in config.items() if k != "patch_size"}, patch_size=(1, 2, 2))
+
+    def cpu_sdpa(query_shape, key_shape, value_shape, *args, **kwargs):
+        return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+    mapping = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: cpu_sdpa}
+    latents = (2, 4, 2, 4, 6)
+    with torch.no_grad(), FlopCounterMode(display=False, custom_mapping=mapping) as counter:
+        model(
+            hidden_states=torch.randn(latents),
+            timestep=torch.tensor([10, 20]),
+            encoder_hidden_states=torch.randn(2, TEXT_LEN, 6),
+            return_dict=False,
+        )
+    assert counter.get_total_flops() == wan_transformer_flops(config, latents, TEXT_LEN)
+
+
+SMALL = ["--num-frames", "5", "--height", "32", "--width", "32", "--steps", "2"]
+
+
+def _is_positive_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
+def test_bench_json_report_against_diffusers(tmp_path, embedded_model, capsys):
+    out = tmp_path / "bench.json"
+    args = ["bench", "--model", str(embedded_model), *SMALL, "--runs", "1", "--warmup", "0"]
+    assert main([*args, "--compare", "diffusers", "--json", str(out), "--no-progress"]) == 0
+    report = json.loads(out.read_text())
+
+    for side in ("distvideo", "diffusers"):
+        figures = report[side]
+        assert _is_positive_number(figures["e2e_s"]), side
+        assert set(figures["stages"]) >= {"text_encoding", "denoising", "decoding"}
+        assert all(_is_positive_number(v) for v in figures["stages"].values()), figures["stages"]
+        assert sum(figures["stages"][s] for s in ("text_encoding", "denoising", "decoding")) <= figures["e2e_s"]
+        assert _is_positive_number(figures["peak_memory_mb"])
+        assert 0 < figures["mfu"] < 1 and _is_positive_number(figures["achieved_flops"])
+    assert _is_positive_number(report["ratio_e2e"])
+    assert report["ratio_e2e"] == report["ratios"]["e2e_s"]
+    assert set(report["ratios"]) >= {"text_encoding", "denoising", "decoding", "peak_memory_mb"}
+    env = report["env"]
+    assert env["torch"] == torch.__version__ and isinstance(env["diffusers"], str)
+    assert env["world_size"] == 1 and env["threads"] == torch.get_num_threads() and env["device"] == "cpu"
+    cfg = report["config"]
+    assert (cfg["num_frames"], cfg["height"], cfg["width"], cfg["steps"]) == (5, 32, 32, 2)
+    assert cfg["transformer_forwards"] == 4  # 2 steps x 2 (CFG)
+    assert cfg["transformer_flops_per_forward"] == sum(cfg["transformer_flops_breakdown"].values()) > 0
+    assert len(report["runs"]) == 1
+    run = report["runs"][0]
+    assert run["diffusers"]["transformer_forwards"] == cfg["transformer_forwards"]
+    assert _is_positive_number(run["matmul_flops_per_rank"][0])
+    assert report["check"]["frames_max_abs_diff"] <= 2, "the two pipelines did not compute the same video"
+
+    table = capsys.readouterr().out
+    for text in ("distvideo", "diffusers", "ratio", "end to end", "denoising", "MFU", "matmul peak"):
+        assert text in table
+
+
+def test_bench_without_comparison_reports_distvideo_only(tmp_path, embedded_model, capsys):
+    out = tmp_path / "alone.json"
+    assert main(["bench", "--model", str(embedded_model), *SMALL, "--steps", "1", "--runs", "1", "--warmup", "0",
+                 "--guidance-scale", "1", "--json", str(out), "--no-progress"]) == 0  # fmt: skip
+    report = json.loads(out.read_text())
+    assert report["diffusers"] is None and report["ratio_e2e"] is None and report["ratios"] is None
+    assert report["config"]["transformer_forwards"] == 1  # no CFG
+    assert 0 < report["distvideo"]["mfu"] < 1
+    assert "distvideo" in capsys.readouterr().out
+
+
+BAD_INPUTS = [
+    (["--model", "/nonexistent/model"], "--model"),
+    (["--runs", "0"], "--runs"),
+    (["--warmup", "-1"], "--warmup"),
+    (["--height", "50"], "height"),
+    (["--num-frames", "10"], "num_frames"),
+    (["--steps", "0"], "num_inference_steps"),
+    (["--json", "/nonexistent/folder/out.json"], "--json"),
+    (["--compare", "comfyui"], "--compare"),
+]
+
+
+@pytest.mark.parametrize(("extra", "named"), BAD_INPUTS, ids=[n for _, n in BAD_INPUTS])
+def test_bad_input_exits_2_before_loading(extra, named, tmp_path, capsys, monkeypatch):
+    import distvideo.worker
+
+    def no_loading(*a, **k):
+        raise AssertionError("model weights were loaded for a bad request")
+
+    monkeypatch.setattr(distvideo.worker, "load_components", no_loading)
+    monkeypatch.setattr(bench, "DiffusersBaseline", no_loading)
+    args = ["bench", *SMALL, "--compare", "diffusers", "--json", str(tmp_path / "out.json"), *extra]
+    assert main(args) == 2
+    assert named in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+class _FakeWorker:
+    def __init__(self, rank: int):
+        self.rank, self.device = rank, torch.device("cpu")
+        self.config = types.SimpleNamespace(dtype=None)
+
+
+class _FakeGenerator:
+    """Two ranks in one process: enough to check what the report makes of several ranks."""
+
+    world_size = 2
+    is_output_rank = True
+    config = types.SimpleNamespace(executor="external", sp_size=2, cfg_parallel=False)
+
+    def __init__(self):
+        self.workers = [_FakeWorker(0), _FakeWorker(1)]
+
+    def collective_rpc(self, method, args=(), kwargs=None, timeout=None):
+        return [method(w, *args, **(kwargs or {})) for w in self.workers]
+
+    def generate_request(self, request):
+        timings = {"text_encoding": 0.1, "denoising": 2.0, "per_step_denoising": 1.0, "decoding": 0.5, "total": 2.7}
+        return types.SimpleNamespace(timings=timings, frames=None)
+
+
+def test_multi_rank_report_skips_diffusers_and_sums_rank_peaks(embedded_model, monkeypatch):
+    monkeypatch.setattr(bench, "measure_matmul_flops", lambda device, dtype, size: 1e9)
+    monkeypatch.setattr(bench, "DiffusersBaseline", lambda spec: pytest.fail("diffusers started on 2 ranks"))
+    plan = bench.plan_from_args(bench_args(embedded_model, ["--runs", "2", "--warmup", "1", "--compare", "diffusers"]))
+    report = bench.run_bench(_FakeGenerator(), plan, plan.request, show_progress=False)
+    assert report["diffusers"] is None and report["ratio_e2e"] is None
+    assert "skipped" in report["notes"][0] and "2 ranks" in report["notes"][0]
+    assert len(report["runs"]) == 2 and report["env"]["world_size"] == 2
+    assert len(report["distvideo"]["peak_memory_mb_per_rank"]) == 2
+    assert report["matmul_peak_flops"] == 2e9  # the machine's peak: every rank's, measured at once
+    expected = plan.model_flops / 2.0 / 2e9
+    assert report["distvideo"]["mfu"] == pytest.approx(expected)
+    assert "skipped" in bench.format_report(report)
+
+
+def bench_args(model, extra):
+    from distvideo.cli.main import build_parser
+
+    return build_parser().parse_args(["bench", "--model", str(model), *SMALL, *extra])

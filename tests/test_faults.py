@@ -1,0 +1,468 @@
+"""Faults across ranks under real launchers (CPU, gloo, 2 ranks): nothing hangs, nothing is half-written, every
+error says what happened. docs/reliability.md states the promises these tests keep and the figures they print.
+
+The ranks run tests/rank_scripts/fault_ranks.py (one scenario per launch, dist_timeout=10 s). A rank that dies
+writes the time of its death; the test watches the other rank's pid and prints how long it outlived its peer
+("FIGURE ..." lines, shown with `pytest -s`). Bounds on those times are generous hang detectors, not benchmarks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import REPO
+from launchers import (
+    build_launch,
+    format_output,
+    free_port,
+    launcher_env,
+    local_slurm,  # noqa: F401
+    python_executable,
+    require_launcher,
+    run_launcher,
+    start_local_slurm,
+)
+
+pytestmark = [pytest.mark.launcher, pytest.mark.slow]
+
+SCRIPT = REPO / "tests" / "rank_scripts" / "fault_ranks.py"
+DIST_TIMEOUT = 10.0  # fault_ranks.DIST_TIMEOUT
+HANG = DIST_TIMEOUT + 20  # "did not hang": well past every bound the code promises, for a loaded 2-core machine
+LAUNCH_TIMEOUT = 240
+
+
+def figure(text: str) -> None:
+    print(f"FIGURE {text}", flush=True)
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def read_float(path: Path) -> float | None:
+    with contextlib.suppress(OSError, ValueError):
+        return float(path.read_text())
+    return None
+
+
+# --- starting ranks -------------------------------------------------------------------------------------------------
+def hand_started_env(rank: int, world_size: int, port: int, env: dict[str, str] | None = None) -> dict[str, str]:
+    """What a user sets to start a rank by hand (no launcher)."""
+    values = {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+    return launcher_env({**(env or {}), **values})
+
+
+class HandStarted:
+    """Ranks started with subprocess.Popen, each in its own session, output in OUT/rank<r>.log."""
+
+    def __init__(self, argv: list[str], out: Path, ranks=(0, 1), world_size: int = 2, env=None):
+        port = free_port()
+        self.logs = [out / f"rank{r}.log" for r in ranks]
+        self.procs = []
+        for rank, log in zip(ranks, self.logs, strict=True):
+            with open(log, "wb") as f:
+                self.procs.append(
+                    subprocess.Popen(
+                        [python_executable(), *argv],
+                        env=hand_started_env(rank, world_size, port, env),
+                        stdin=subprocess.DEVNULL,
+                        stdout=f,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
+
+    def wait(self, timeout: float) -> list[int]:
+        deadline = time.monotonic() + timeout
+        try:
+            return [p.wait(max(0.1, deadline - time.monotonic())) for p in self.procs]
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"hand-started ranks still running after {timeout} s\n{self.output()}", pytrace=False)
+
+    def kill(self) -> None:
+        for p in self.procs:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)
+
+    def output(self) -> str:
+        return "\n".join(f"--- {log.name} ---\n{log.read_text(errors='replace')}" for log in self.logs)
+
+
+@dataclass
+class Outcome:
+    returncodes: list[int]  # the launcher's, or each hand-started rank's
+    output: str
+    out: Path
+    killed_at: float | None = None
+    exit_after_kill: dict[int, float] = field(default_factory=dict)  # surviving rank -> seconds it outlived the dead
+    end_after_kill: float | None = None  # seconds from the death until the launcher (or the last rank) returned
+
+    def error(self, rank: int) -> str:
+        path = self.out / f"error{rank}.txt"
+        return path.read_text() if path.exists() else ""
+
+
+def run_scenario(
+    launcher: str, scenario: str, out: Path, extra=(), *, victim: int | None = None, kill_on_bad_exit: bool = False
+) -> Outcome:
+    """Run one scenario on 2 ranks; while it runs, time how long the ranks other than `victim` outlive it."""
+    argv = [str(SCRIPT), str(out), scenario, *map(str, extra)]
+    finished: dict[str, object] = {}
+    hand = HandStarted(argv, out) if launcher == "hand" else None
+
+    def wait() -> None:
+        try:
+            if hand is not None:
+                finished["rcs"] = hand.wait(LAUNCH_TIMEOUT)
+                finished["output"] = hand.output()
+            else:
+                proc = run_launcher(launcher, argv, nproc=2, timeout=LAUNCH_TIMEOUT, kill_on_bad_exit=kill_on_bad_exit)
+                finished["rcs"] = [proc.returncode]
+                finished["output"] = format_output(proc)
+        except BaseException as exc:  # pytest.fail / skip in the thread: re-raised below
+            finished["exc"] = exc
+        finished["at"] = time.time()
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    exited: dict[int, float] = {}
+    survivors = [r for r in (0, 1) if r != victim]
+    while waiter.is_alive():
+        killed_at = read_float(out / "killed_at")
+        if killed_at is not None:
+            for rank in survivors:
+                pid = read_float(out / f"pid{rank}")
+                if rank not in exited and pid is not None and gone(int(pid)):
+                    exited[rank] = time.time()
+        time.sleep(0.05)
+    waiter.join()
+    if "exc" in finished:
+        raise finished["exc"]  # type: ignore[misc]
+    for rank in survivors:  # gone between the last look and the launcher's return: the return bounds it
+        pid = read_float(out / f"pid{rank}")
+        if rank not in exited and pid is not None and gone(int(pid)):
+            exited[rank] = finished["at"]  # type: ignore[assignment]
+    outcome = Outcome(finished["rcs"], finished["output"], out)  # type: ignore[arg-type]
+    outcome.killed_at = read_float(out / "killed_at")
+    if outcome.killed_at is not None:
+        outcome.exit_after_kill = {r: t - outcome.killed_at for r, t in exited.items()}
+        outcome.end_after_kill = finished["at"] - outcome.killed_at  # type: ignore[operator]
+    return outcome
+
+
+# --- a rank dies in the middle of a generation ---------------------------------------------------------------------
+DEAD_PEER = [
+    # (launcher, srun -K, the rank that dies, scenario)
+    pytest.param("hand", False, 1, "peer_dies", id="hand-started"),
+    pytest.param("torchrun", False, 1, "peer_dies", id="torchrun"),
+    pytest.param("srun", False, 0, "output_rank_dies", id="srun", marks=pytest.mark.slurm),
+    pytest.param("srun", True, 1, "peer_dies", id="srun-K", marks=pytest.mark.slurm),
+    pytest.param("mpirun", False, 1, "peer_dies", id="mpirun", marks=pytest.mark.mpi),
+]
+
+
+@pytest.fixture(scope="module")
+def lora_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from distvideo.lora.testing import build_random_lora
+    from distvideo.models.tiny import embedded_model_path
+
+    return build_random_lora(embedded_model_path(), tmp_path_factory.mktemp("lora") / "style.safetensors")
+
+
+@pytest.mark.parametrize(("launcher", "kill_on_bad_exit", "victim", "scenario"), DEAD_PEER)
+def test_survivor_exits_when_a_peer_dies_mid_generation(
+    launcher, kill_on_bad_exit, victim, scenario, tmp_path, lora_file
+):
+    """Rank 1 is SIGKILLed in its 2nd transformer call (rank 0 waits in the CFG all-gather), or rank 0 in the middle of
+    encoding the video. The other rank exits non-zero soon after, with an error naming the dead rank where the
+    launcher lets it speak (it does not kill it first), and no file is left at or beside the output path."""
+    if launcher != "hand":
+        require_launcher(launcher)
+    out = tmp_path
+    (out / "video").mkdir()
+    extra = [lora_file] if scenario == "peer_dies" else []
+    outcome = run_scenario(launcher, scenario, out, extra, victim=victim, kill_on_bad_exit=kill_on_bad_exit)
+    text = outcome.output
+    survivor = 1 - victim
+    assert outcome.killed_at is not None, f"rank {victim} never reached its death\n{text}"
+    name = f"{launcher}{' -K' if kill_on_bad_exit else ''}"
+    figure(
+        f"dead peer, {name}: rank {survivor} exited {outcome.exit_after_kill.get(survivor, float('nan')):.1f} s after "
+        f"rank {victim} was killed; the launch returned after {outcome.end_after_kill:.1f} s"
+    )
+    if launcher == "hand":
+        assert outcome.returncodes[victim] == -signal.SIGKILL and outcome.returncodes[survivor] == 1, text
+    else:
+        assert outcome.returncodes[0] != 0, text
+    assert outcome.exit_after_kill.get(survivor, HANG) < HANG, f"rank {survivor} outlived its peer too long\n{text}"
+    error = outcome.error(survivor)
+    if error:  # the survivor spoke (a launcher that kills on failure may end it first)
+        assert error.startswith("ProcessGroupBrokenError: "), error
+        assert f"rank {victim} lost" in error and "the job must be restarted" in error, error
+    if launcher in ("hand", "srun") and not kill_on_bad_exit:  # nobody kills the survivor: it must leave by itself
+        assert error, f"rank {survivor} did not raise the broken-group error\n{text}"
+    assert list((out / "video").iterdir()) == [], "a partial or temporary file was left beside the output"
+    if scenario == "peer_dies":
+        check_refusals_before_the_death(out, text)
+
+
+def check_refusals_before_the_death(out: Path, text: str) -> None:
+    """Divergent calls are refused on both ranks with the same error naming the fields, before any denoising, and
+    leave the group usable; dist_timeout reaches every process group."""
+    checks = [json.loads((out / f"checks{r}.json").read_text()) for r in (0, 1)]
+    assert checks[0] == checks[1], "both ranks must raise the same errors"
+    c = checks[0]
+    assert "seed: rank 0: 0, rank 1: 1" in c["seed"]
+    assert "height: rank 0: 32, rank 1: 48" in c["shape"]
+    invalid = c["invalid_on_one_rank"]  # refused on rank 0 too, instead of leaving it waiting for rank 1
+    assert "invalid_request: rank 0: None, rank 1: 'height=50 must be a multiple of 16" in invalid
+    assert "nickname: rank 0: 'style0', rank 1: 'style1'" in c["lora_nickname"]
+    assert "strength: rank 0: 1.0, rank 1: 2.0" in c["lora_strength"]
+    for message in (c["seed"], c["shape"], invalid, c["lora_nickname"], c["lora_strength"]):
+        assert message.startswith("ranks disagree on the arguments of "), message
+    assert c["transformer_calls"] == [0, 0], "a refused request must not reach the transformer"
+    assert c["ping"] == [0, 1]
+    for timeouts in c["timeouts"]:
+        assert set(timeouts) >= {"world", "cpu", "cfg"} and set(timeouts.values()) == {DIST_TIMEOUT}, timeouts
+
+
+# --- timeouts, and a rank failing on its own ------------------------------------------------------------------------
+@dataclass
+class Job:
+    out: Path
+    returncodes: list[int]
+    output: str
+
+    def error(self, rank: int) -> str:
+        path = self.out / f"error{rank}.txt"
+        return path.read_text() if path.exists() else ""
+
+    def seconds(self, start: str, end: str) -> float:
+        return read_float(self.out / end) - read_float(self.out / start)  # type: ignore[operator]
+
+
+@pytest.fixture(scope="module")
+def waiting_jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Job]:
+    """Four hand-started jobs at once, since they mostly wait: the stuck pair, the pair where rank 1 fails alone, and
+    rank 0 and rank 1 of two other jobs, each started without its peer."""
+    specs = {"stuck": ("stuck", (0, 1)), "fails_alone": ("fails_alone", (0, 1))}
+    specs |= {"alone0": ("never_joins", (0,)), "alone1": ("never_joins", (1,))}
+    started = {}
+    for name, (scenario, ranks) in specs.items():
+        out = tmp_path_factory.mktemp(name)
+        started[name] = (out, HandStarted([str(SCRIPT), str(out), scenario], out, ranks=ranks))
+    return {name: Job(out, job.wait(LAUNCH_TIMEOUT), job.output()) for name, (out, job) in started.items()}
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_whose_peer_never_joins_gives_up_with_a_clear_message(rank, waiting_jobs):
+    """Rank 0 of 2 started alone gives up after dist_timeout; rank 1 alone after torch's store client has retried its
+    connection (about twice dist_timeout). Each names the rendezvous and the timeout."""
+    job = waiting_jobs[f"alone{rank}"]
+    assert job.returncodes == [1], job.output
+    waited = job.seconds(f"start_at{rank}", f"exit_at{rank}")
+    figure(f"rank {rank} started alone: gave up {waited:.1f} s after creating its generator (dist_timeout 10 s)")
+    assert waited < (HANG if rank == 0 else 2 * DIST_TIMEOUT + 20), job.output
+    error = job.error(rank)
+    assert f"rank {rank} could not form the process group of 2 ranks through the rendezvous at 127.0.0.1:" in error
+    assert "within dist_timeout=10 s" in error and "Every rank must be started" in error, error
+    if rank == 0:
+        assert "1/2 clients joined" in error, error
+
+
+def test_a_rank_stuck_outside_a_collective_is_reported(waiting_jobs):
+    """Rank 1 sleeps in a collective_rpc callable past dist_timeout while rank 0 waits in the status exchange: rank 0
+    reports rank 1 as alive but not responding, after dist_timeout, and leaves; rank 1 then finds rank 0 gone."""
+    job = waiting_jobs["stuck"]
+    assert job.returncodes == [1, 1], job.output
+    waited = job.seconds("call_at0", "exit_at0")
+    figure(f"stuck peer, hand-started: rank 0 reported it {waited:.1f} s after the call began (dist_timeout 10 s)")
+    assert DIST_TIMEOUT - 1 < waited < HANG, job.output
+    error0, error1 = job.error(0), job.error(1)
+    assert "rank 1 not responding during collective_rpc('sleep_on_rank_1')" in error0, error0
+    assert "rank 1: alive, but did not reach the collective within dist_timeout" in error0, error0
+    assert "Timed out" in error0 and "the job must be restarted" in error0, error0
+    assert "rank 0 lost" in error1 and "rendezvous store it hosts" in error1, error1
+
+
+def test_a_rank_failing_alone_mid_generation_releases_the_others(waiting_jobs):
+    """Rank 1 raises in its 2nd transformer call while rank 0 waits for it in the CFG all-gather: rank 1 leaves the
+    group after a short settling time instead of letting rank 0 wait for dist_timeout; rank 0's error names rank 1's
+    failure."""
+    job = waiting_jobs["fails_alone"]
+    assert job.returncodes == [1, 1], job.output
+    after = job.seconds("exit_at1", "exit_at0")
+    figure(f"rank failing alone, hand-started: rank 0 exited {after:.1f} s after rank 1 raised")
+    assert after < HANG, job.output
+    error0, error1 = job.error(0), job.error(1)
+    assert "execute_forward failed on rank 1 while rank 0 was still inside it" in error1, error1
+    assert "rank 1 (this rank): RuntimeError: planted failure in transformer call 2 on rank 1" in error1, error1
+    assert "rank 1 failed during execute_forward" in error0, error0
+    assert "RuntimeError: planted failure in transformer call 2 on rank 1" in error0, error0
+
+
+# --- Ctrl-C and SIGTERM ---------------------------------------------------------------------------------------------
+SLOW_GENERATE = ["--prompt", "a fox", "--num-frames", "5", "--height", "32", "--width", "32", "--steps", "400"]
+
+
+class Running:
+    """A command started in its own session whose output lines are collected by a thread."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str]):
+        self.proc = subprocess.Popen(
+            cmd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
+        self.reader.start()
+
+    def wait_for(self, predicate: Callable[[list[str]], bool], within: float) -> None:
+        deadline = time.monotonic() + within
+        while not predicate(list(self.lines)):
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                self.kill()
+                pytest.fail(f"not seen within {within} s:\n{self.text()}", pytrace=False)
+            time.sleep(0.1)
+
+    def text(self) -> str:
+        return "".join(self.lines)
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+        self.reader.join(5)
+
+
+def rank_processes(marker: str) -> list[psutil.Process]:
+    """Every process whose command line holds `marker` (the output folder: unique to one test)."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            if marker in " ".join(p.info["cmdline"] or []) and p.pid != os.getpid():
+                found.append(p)
+    return found
+
+
+def interrupt_mid_generation(running: Running, out: Path, sig: int, ready: Callable[[list[str]], bool]) -> dict:
+    """Wait until `ready(output lines)` (ranks are denoising), send `sig` to the launcher, and time how long until the
+    launcher and every process of the job (found by pid before the signal) are gone."""
+    try:
+        running.wait_for(ready, 180)
+        launcher = psutil.Process(running.proc.pid)
+        # the launcher's descendants, and processes elsewhere naming this test's folder (srun's tasks: slurmstepd's)
+        procs = {*launcher.children(recursive=True), *rank_processes(str(out))} - {launcher}
+        assert len(procs) >= 2, f"expected the rank processes\n{running.text()}"
+        sent = time.monotonic()
+        os.kill(running.proc.pid, sig)
+        returncode = running.proc.wait(30)  # Popen reaps the launcher itself (psutil must not, or its code is lost)
+        _, alive = psutil.wait_procs(list(procs), timeout=10)
+        stopped_s = time.monotonic() - sent
+        running.reader.join(5)
+    finally:
+        running.kill()
+    return {"stopped_s": stopped_s, "alive": alive, "returncode": returncode, "text": running.text(), "procs": procs}
+
+
+def steps_after(marker: str | None, ranks: int) -> Callable[[list[str]], bool]:
+    """Ready when every one of `ranks` ranks printed "step <rank>" (after the line starting with `marker`)."""
+
+    def ready(lines: list[str]) -> bool:
+        if marker is not None:
+            starts = [i for i, line in enumerate(lines) if line.startswith(marker)]
+            lines = lines[starts[0] + 1 :] if starts else []
+        return len({line for line in lines if line.startswith("step ")}) >= ranks
+
+    return ready
+
+
+SIGNALS = [
+    pytest.param("torchrun", signal.SIGINT, id="torchrun-ctrl-c"),
+    pytest.param("srun", signal.SIGTERM, id="srun-sigterm", marks=pytest.mark.slurm),
+]
+
+
+@pytest.mark.parametrize(("launcher", "sig"), SIGNALS)
+def test_interrupt_under_a_launcher_stops_every_rank(launcher, sig, tmp_path):
+    """`distvideo generate` under a launcher, mid-denoising: a stop signal to the launcher ends every rank (and the
+    launcher) within 10 s, with no process left behind and no video written."""
+    require_launcher(launcher)
+    env = {"FAULT_SLOW_TRANSFORMER_S": "0.2"}
+    if launcher == "srun":
+        env.update(start_local_slurm())
+    argv = [str(SCRIPT), str(tmp_path), "slow_cli", *SLOW_GENERATE, "--output", str(tmp_path / "video.mp4")]
+    argv += ["--dist-timeout", str(DIST_TIMEOUT)]
+    cmd, child_env = build_launch(launcher, argv, 2, env, timeout=LAUNCH_TIMEOUT, job_name=f"faults-{tmp_path.name}")
+    result = interrupt_mid_generation(Running(cmd, child_env), tmp_path, sig, steps_after(None, 2))
+    text = result["text"]
+    figure(f"{signal.Signals(sig).name} to {launcher}: every process gone {result['stopped_s']:.1f} s later")
+    assert result["alive"] == [], f"left behind: {result['alive']}\n{text}"
+    assert result["stopped_s"] < 10, text
+    if launcher == "torchrun":  # torchrun forwards the signal: each rank's CLI reports it and cleans up
+        assert result["returncode"] != 0, text
+        assert text.count("distvideo: interrupted (SIGINT); stopped") == 2, text
+    assert not (tmp_path / "video.mp4").exists()
+    assert [p.name for p in tmp_path.iterdir()] == [], "nothing may be written beside the output"
+
+
+def test_mp_executor_worker_death_and_sigterm(tmp_path):
+    """The mp executor, one driver process: (1) rank 1 is SIGKILLed in the middle of a generation: the driver raises
+    an error naming it and tears rank 0 down; (2) `distvideo generate --executor mp --num-gpus 2`, mid-denoising:
+    SIGTERM to the driver stops it and both workers within 10 s (exit code 143), leaving no process and no video."""
+    argv = [str(SCRIPT), str(tmp_path), "mp_faults", *SLOW_GENERATE, "--output", str(tmp_path / "video.mp4")]
+    argv += ["--executor", "mp", "--num-gpus", "2"]
+    running = Running([python_executable(), *argv], launcher_env({"FAULT_SLOW_TRANSFORMER_S": "0.05"}))
+    running.wait_for(lambda lines: any(line.startswith("died ") for line in lines), 180)
+    lines = running.text().splitlines()
+    workers = json.loads(next(line for line in lines if line.startswith("workers "))[len("workers ") :])
+    _, died_at, error = next(line for line in lines if line.startswith("died ")).split(" ", 2)
+    killed_at = read_float(tmp_path / "killed_at")
+    assert killed_at is not None, running.text()
+    figure(f"mp worker killed mid-generation: the driver raised {float(died_at) - killed_at:.1f} s later")
+    assert error.startswith("WorkerDiedError: rank 1 died (killed by SIGKILL) during collective_rpc("), error
+    assert "SIGKILL often comes from the kernel's out-of-memory killer" in error, error
+    assert psutil.wait_procs([psutil.Process(pid) for pid in workers if not gone(pid)], timeout=10)[1] == []
+    (tmp_path / "killed_at").unlink()
+
+    result = interrupt_mid_generation(running, tmp_path, signal.SIGTERM, steps_after("died ", 2))
+    text = result["text"]
+    figure(f"SIGTERM to the mp driver: driver and workers gone {result['stopped_s']:.1f} s later")
+    assert result["returncode"] == 143 and "distvideo: interrupted (SIGTERM); stopped" in text, text
+    assert len(result["procs"]) >= 2, "the driver's two workers (and multiprocessing's resource tracker)"
+    assert result["alive"] == [] and result["stopped_s"] < 10, text
+    assert [p.name for p in tmp_path.iterdir()] == []
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q", "-s"]))
