@@ -556,6 +556,7 @@ def run_bench(gen: Any, plan: BenchPlan, request: GenerationRequest, show_progre
     try:
         runs: list[dict[str, Any]] = []
         frames_diff: int | None = None
+        forwards_noted = False
         total = plan.warmup + plan.runs
         with tqdm(total=total, desc="bench", unit="run", file=sys.stderr, disable=not show_progress) as bar:
             for i in range(total):
@@ -566,6 +567,12 @@ def run_bench(gen: Any, plan: BenchPlan, request: GenerationRequest, show_progre
                 if baseline is not None:
                     reference = baseline.run(request, return_frames=frames_diff is None)
                     theirs = reference.pop("frames", None)
+                    if reference["transformer_forwards"] != plan.transformer_forwards and not forwards_noted:
+                        forwards_noted = True
+                        notes.append(
+                            f"diffusers ran {reference['transformer_forwards']} transformer forwards per request, "
+                            f"the FLOP count assumes {plan.transformer_forwards}: its MFU is off by that factor"
+                        )
                     if theirs is not None and frames is not None:
                         frames_diff = max_abs_diff(frames, theirs)
                 bar.update()

@@ -386,13 +386,17 @@ class _Pulse:
 
 
 class _Heartbeat:
-    """This rank's heartbeat in the rendezvous store (`distvideo/heartbeat/<rank>`): a daemon thread bumps a counter
+    """This rank's heartbeat in the rendezvous store (`distvideo/heartbeat/<n>/<rank>`): a daemon thread bumps a counter
     every HEARTBEAT_INTERVAL_S, with what the rank is doing, on its own connection. After a failed collective the
     survivors read the others': a counter that stopped is a lost rank, one that moves is a busy or stuck rank, and its
     text says where. The store lives in rank 0 (hand-started, srun, mpirun) or in the torchrun agent."""
 
+    instances = 0  # heartbeats started in this process; every rank starts the same ones, so the numbers agree
+
     def __init__(self, env: LaunchEnv):
         self.rank, self.world_size = env.rank, env.world_size
+        _Heartbeat.instances += 1
+        self._prefix = f"distvideo/heartbeat/{_Heartbeat.instances}/"  # a later generator's keys are its own
         self._publisher = self._connect(env)  # the thread's connection
         self._reader = self._connect(env)  # the caller's
         self._pulse = _Pulse(0, 0, "idle", "start-up")
@@ -416,9 +420,8 @@ class _Heartbeat:
             env.master_addr, env.master_port, is_master=False, timeout=timedelta(seconds=5), wait_for_workers=False
         )
 
-    @staticmethod
-    def key(rank: int) -> str:
-        return f"distvideo/heartbeat/{rank}"
+    def key(self, rank: int) -> str:
+        return f"{self._prefix}{rank}"
 
     def publish(self, pulse: _Pulse) -> None:
         """Called by the main thread at each phase of a call; the thread sends it at once."""
