@@ -41,6 +41,7 @@ MODES: dict[str, dict[str, Any]] = {
     "cfg2": {"world": 2, "sp_size": 1, "cfg_parallel": True},
     "sp2": {"world": 2, "sp_size": 2, "cfg_parallel": False},
     "diffusers-ulysses2": {"world": 2},
+    "paired": {"world": 2},
 }
 
 
@@ -159,8 +160,105 @@ def run_diffusers_ulysses(args: argparse.Namespace) -> dict[str, Any] | None:
     }
 
 
+def run_paired(args: argparse.Namespace) -> dict[str, Any] | None:
+    """In ONE 2-rank launch, alternate the same work done each way, so load from other processes hits all alike.
+
+    One denoising step (both CFG branches) at the benchmark shape: one rank (rank 1 waits), cfg=2 (a branch per rank
+    + all-gather), distvideo sp=2 (Ulysses, both branches batched) and diffusers' Ulysses (two forwards). One decode
+    of the latents: one rank (rank 1 waits) and the banded decode on both ranks.
+    """
+    import torch
+    import torch.distributed as dist
+    from diffusers import AutoencoderKLWan, ContextParallelConfig, WanTransformer3DModel
+
+    from distvideo.parallel.ulysses import UlyssesPlan
+    from distvideo.parallel.vae import BandedVaeDecoder
+
+    torch.accelerator.device_count = lambda: 1  # type: ignore[method-assign]  # diffusers assumes an accelerator
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    folder = Path(args.model)
+    plain, ours, theirs = (WanTransformer3DModel.from_pretrained(folder / "transformer").eval() for _ in range(3))
+    UlyssesPlan(dist.group.WORLD, world, rank).apply(ours)
+    theirs.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
+    vae = AutoencoderKLWan.from_pretrained(folder / "vae").eval()
+    banded = BandedVaeDecoder(lambda size: dist.group.WORLD, rank, world).apply(vae)
+
+    gen = torch.Generator("cpu").manual_seed(0)
+    z = plain.config.in_channels
+    latent_frames = (args.frames - 1) // 4 + 1
+    x = torch.randn(1, z, latent_frames, args.height // 8, args.width // 8, generator=gen)
+    t = torch.tensor([500.0])
+    texts = torch.randn(2, 512, plain.config.text_dim, generator=gen)
+
+    def forward(model: Any, hidden: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        n = embeds.shape[0]
+        return model(
+            hidden_states=hidden.repeat(n, 1, 1, 1, 1),
+            timestep=t.repeat(n),
+            encoder_hidden_states=embeds,
+            return_dict=False,
+        )[0]
+
+    def single_step() -> None:
+        if rank == 0:
+            forward(plain, x, texts[:1]), forward(plain, x, texts[1:])
+
+    def cfg_step() -> None:
+        local = forward(plain, x, texts[rank : rank + 1])
+        both = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(both, local)
+
+    def sp_step() -> None:
+        forward(ours, x, texts)
+
+    def diffusers_step() -> None:
+        forward(theirs, x, texts[:1]), forward(theirs, x, texts[1:])
+
+    def single_decode() -> None:
+        if rank == 0:
+            vae.decode(x, return_dict=False)
+
+    def banded_decode() -> None:
+        banded.decode(x)
+
+    steps = {"single": single_step, "cfg2": cfg_step, "sp2": sp_step, "diffusers-ulysses2": diffusers_step}
+    decodes = {"single": single_decode, "banded2": banded_decode}
+    times: dict[str, list[float]] = {f"step/{k}": [] for k in steps} | {f"decode/{k}": [] for k in decodes}
+
+    def timed(key: str, fn: Any) -> None:
+        dist.barrier()
+        start = time.perf_counter()
+        with torch.no_grad():
+            fn()
+        dist.barrier()
+        times[key].append(time.perf_counter() - start)
+
+    with torch.no_grad():
+        sp_step(), diffusers_step()  # warm-up
+    for _ in range(args.paired_steps + 1):
+        for name, fn in steps.items():
+            timed(f"step/{name}", fn)
+    for _ in range(args.paired_decodes):
+        for name, fn in decodes.items():
+            timed(f"decode/{name}", fn)
+    dist.destroy_process_group()
+    if rank != 0:
+        return None
+    for key in list(times):
+        if key.startswith("step/"):
+            times[key] = times[key][1:]  # the first alternation warms the caches
+    return {"mode": "paired", "times": times}
+
+
 def child_main(args: argparse.Namespace) -> None:
-    result = run_diffusers_ulysses(args) if args.child == "diffusers-ulysses2" else run_distvideo(args.child, args)
+    if args.child == "paired":
+        result = run_paired(args)
+    elif args.child == "diffusers-ulysses2":
+        result = run_diffusers_ulysses(args)
+    else:
+        result = run_distvideo(args.child, args)
     if result is not None:
         print(RESULT_PREFIX + json.dumps(result), flush=True)
 
@@ -190,6 +288,7 @@ def launch(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     script = [str(Path(__file__).resolve()), f"--child={mode}", f"--model={args.model}", f"--runs={args.runs}"]
     script += [f"--frames={args.frames}", f"--height={args.height}", f"--width={args.width}"]
     script += [f"--steps={args.steps}", f"--guidance={args.guidance}", f"--text-repeats={args.text_repeats}"]
+    script += [f"--paired-steps={args.paired_steps}", f"--paired-decodes={args.paired_decodes}"]
     if mode == "single":
         cmd = [sys.executable, *script]
     else:
@@ -250,6 +349,27 @@ def report(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+def report_paired(paired: dict[str, Any], args: argparse.Namespace, load: float) -> str:
+    med = {k: statistics.median(v) for k, v in paired["times"].items()}
+    n_steps, n_decodes = len(paired["times"]["step/single"]), len(paired["times"]["decode/single"])
+    lines = [
+        f"Paired launch (2 ranks, alternating; load avg {load:.1f} at launch): one denoising step with both CFG branches "
+        f"(median of {n_steps}) and one decode of the {args.frames}-frame latents (median of {n_decodes}), seconds.",
+        "",
+        "| work | way | median [min-max] | vs one rank |",
+        "|---|---|---|---|",
+    ]
+    for key, values in paired["times"].items():
+        kind, way = key.split("/")
+        base = med[f"{kind}/single"]
+        lines.append(
+            f"| {kind} | {way} | {med[key]:.2f} [{min(values):.2f}-{max(values):.2f}] | {med[key] / base:.2f}x |"
+        )
+    lines.append("")
+    lines.append(f"- sp=2 step vs diffusers' Ulysses step: {med['step/sp2'] / med['step/diffusers-ulysses2']:.2f}x")
+    return "\n".join(lines)
+
+
 def ensure_checkpoint(path: Path) -> Path:
     if not (path / "model_index.json").is_file():
         from distvideo.models.tiny import build_benchmark_checkpoint
@@ -270,6 +390,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--guidance", type=float, default=5.0)
     parser.add_argument("--text-repeats", type=int, default=20)
+    parser.add_argument("--paired-steps", type=int, default=12, help="alternations of one step, --paired only")
+    parser.add_argument("--paired-decodes", type=int, default=3, help="alternations of one decode, --paired only")
+    parser.add_argument("--paired", action="store_true", help="also run the paired (alternating) launch")
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--json", default=None, help="also write the raw results here")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -281,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
         args.model = str(ensure_checkpoint(Path(tempfile.gettempdir()) / "distvideo-benchmark-checkpoint"))
     results: dict[str, dict[str, Any]] = {}
     for round_index in range(args.rounds):
-        for mode in args.modes.split(","):
+        for mode in [m for m in args.modes.split(",") if m]:
             start, load = time.perf_counter(), os.getloadavg()[0]
             one = launch(mode, args)
             merged = results.setdefault(mode, {"mode": mode, "runs": [], "text_encoding_strategies": {}, "loads": []})
@@ -295,7 +418,14 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
                 flush=True,
             )
-    text = report(results, args)
+    text = report(results, args) if results else ""
+    if args.paired:
+        start, load = time.perf_counter(), os.getloadavg()[0]
+        paired = launch("paired", args)
+        took = time.perf_counter() - start
+        print(f"paired: (load {load:.1f}, {took:.0f} s)", file=sys.stderr, flush=True)
+        results["paired"] = paired
+        text += "\n\n" + report_paired(paired, args, load)
     print(text)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results, "report": text}, indent=1))

@@ -160,6 +160,7 @@ BAD_INPUTS = [
     (["--steps", "0"], "num_inference_steps"),
     (["--json", "/nonexistent/folder/out.json"], "--json"),
     (["--compare", "comfyui"], "--compare"),
+    (["--lora", "style.safetensors"], "--lora"),  # diffusers would run without it
 ]
 
 

@@ -24,7 +24,8 @@ def set_log_rank(rank: int | None) -> None:
 def configure_logging(level: str | None = None) -> None:
     """Attach a stderr handler to the `distvideo` logger once (the library never touches the root logger)."""
     logger = logging.getLogger("distvideo")
-    logger.setLevel((level or envs.get("DISTVIDEO_LOG_LEVEL")).upper())
+    if level is not None or not _state["configured"]:  # a later call without a level keeps the chosen one
+        logger.setLevel((level or envs.get("DISTVIDEO_LOG_LEVEL")).upper())
     if _state["configured"]:
         return
     handler = logging.StreamHandler()

@@ -93,6 +93,21 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
 
 
+_process_groups_created = 0  # in this process; every rank creates the same sequence, so the numbers agree
+
+
+def rendezvous_store(init_method: str, rank: int, world_size: int, timeout: timedelta | None) -> Any:
+    """The rendezvous store of `init_method`, seen through a key prefix of its own for each process group this process
+    creates. A store can outlive a process group (torchrun's agent hosts it for the whole job), and a second
+    VideoGenerator in the same job would otherwise read the first one's keys, such as gloo's peer addresses, and
+    try to connect to ports that are closed."""
+    global _process_groups_created
+    _process_groups_created += 1
+    options = {"timeout": timeout} if timeout is not None else {}
+    store, _, _ = next(torch.distributed.rendezvous(init_method, rank, world_size, **options))
+    return torch.distributed.PrefixStore(f"distvideo/pg{_process_groups_created}/", store)
+
+
 class Worker:
     def __init__(self, config: EngineConfig, rank_info: RankInfo, *, model_info: ModelInfo | None = None):
         self.config = config
@@ -126,7 +141,7 @@ class Worker:
                 kwargs["device_id"] = self.device
             torch.distributed.init_process_group(
                 backend=backend,
-                init_method=self.rank_info.init_method,
+                store=rendezvous_store(self.rank_info.init_method, self.rank, self.world_size, timeout),
                 rank=self.rank,
                 world_size=self.world_size,
                 timeout=timeout,

@@ -376,11 +376,17 @@ class _DiffusersTimer:
         return out
 
 
-def _diffusers_process(conn: Any, spec: DiffusersSpec) -> None:
-    """Entry point of the child process: load, say ready, then answer ("run", request, frames?) until ("close",)."""
+def _diffusers_process(conn: Any) -> None:
+    """Entry point of the child process: import the libraries (while the parent loads distvideo), then take
+    ("load", spec), say ready, and answer ("run", request, frames?) until ("close",) or the parent goes away."""
     try:
+        import diffusers  # noqa: F401  (the slow imports, before the spec arrives)
         import torch
 
+        message = conn.recv()
+        if message[0] != "load":
+            return
+        spec = message[1]
         torch.set_num_threads(spec.threads)
         timer = _DiffusersTimer(spec)
         conn.send(("ready", {"threads": torch.get_num_threads()}))
@@ -400,21 +406,23 @@ def _diffusers_process(conn: Any, spec: DiffusersSpec) -> None:
 
 
 class DiffusersBaseline:
-    """A diffusers WanPipeline in a spawned process, run on demand; its memory peak is its own."""
+    """A diffusers WanPipeline in a spawned process, run on demand; its memory peak is its own. The process starts
+    (and imports torch and diffusers) at construction; `load` gives it the checkpoint, device and threads."""
 
-    def __init__(self, spec: DiffusersSpec):
+    def __init__(self) -> None:
         import multiprocessing
 
         ctx = multiprocessing.get_context("spawn")
         self._conn, child_conn = ctx.Pipe()
-        self._proc = ctx.Process(target=_diffusers_process, args=(child_conn, spec), daemon=True, name="diffusers")
+        self._proc = ctx.Process(target=_diffusers_process, args=(child_conn,), daemon=True, name="diffusers")
         self._proc.start()
         child_conn.close()
-        try:
-            self.info = self._receive("loading")
-        except BaseException:
-            self.close()
-            raise
+        self.loaded = False
+
+    def load(self, spec: DiffusersSpec) -> None:
+        self._conn.send(("load", spec))
+        self._receive("loading")
+        self.loaded = True
 
     def _receive(self, what: str) -> Any:
         while not self._conn.poll(1.0):
@@ -434,12 +442,14 @@ class DiffusersBaseline:
         return self._receive("generating")
 
     def close(self) -> None:
+        if self._conn.closed:
+            return
         if self._proc.is_alive():
             try:
                 self._conn.send(("close",))
             except OSError:
                 pass
-            self._proc.join(timeout=30)
+            self._proc.join(timeout=5)
             if self._proc.is_alive():
                 self._proc.kill()
                 self._proc.join()
@@ -520,13 +530,23 @@ def _quiet_generator_log(level: str | None) -> Iterator[None]:
 def cmd_bench(args: argparse.Namespace) -> int:
     from distvideo import envs
     from distvideo.generator import VideoGenerator
+    from distvideo.launch import launcher_rank_present, read_launch_environ
 
     plan = plan_from_args(args)  # bad input exits 2 here, before any process or weight
     envs.set_external({"DISTVIDEO_NO_PROGRESS": "1"})  # the per-step bar would fight the per-run bar
-    with _quiet_generator_log(args.log_level), VideoGenerator.from_config(plan.engine) as gen:
-        request = gen.model_info.resolve_request(plan.request)
-        show_progress = gen.is_output_rank and not args.no_progress and sys.stderr.isatty()
-        report = run_bench(gen, plan, request, show_progress)
+    if args.log_level:  # VideoGenerator.from_config re-applies the environment's level; make it this one
+        envs.set_external({"DISTVIDEO_LOG_LEVEL": args.log_level})
+    # the diffusers process imports its libraries while distvideo loads, when one rank is expected
+    one_rank = (plan.engine.num_gpus or 1) == 1 and not launcher_rank_present(read_launch_environ())
+    baseline = DiffusersBaseline() if plan.compare == "diffusers" and one_rank else None
+    try:
+        with _quiet_generator_log(args.log_level), VideoGenerator.from_config(plan.engine) as gen:
+            request = gen.model_info.resolve_request(plan.request)
+            show_progress = gen.is_output_rank and not args.no_progress and sys.stderr.isatty()
+            report = run_bench(gen, plan, request, show_progress, baseline)
+    finally:
+        if baseline is not None:
+            baseline.close()
     if report is not None:
         print(format_report(report), flush=True)
         if plan.json_path is not None:
@@ -535,8 +555,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_bench(gen: Any, plan: BenchPlan, request: GenerationRequest, show_progress: bool) -> dict[str, Any] | None:
-    """Warm-up then measured runs, distvideo then diffusers in each; the report on the output rank, else None."""
+def run_bench(
+    gen: Any,
+    plan: BenchPlan,
+    request: GenerationRequest,
+    show_progress: bool,
+    started: DiffusersBaseline | None = None,
+) -> dict[str, Any] | None:
+    """Warm-up then measured runs, distvideo then diffusers in each; the report on the output rank, else None.
+    `started` is a diffusers process already started (not loaded); closed here if the comparison cannot run."""
     from tqdm.auto import tqdm
 
     rank_envs = gen.collective_rpc(_rank_environment)
@@ -550,9 +577,10 @@ def run_bench(gen: Any, plan: BenchPlan, request: GenerationRequest, show_progre
             )
         else:
             first = rank_envs[0]
-            baseline = DiffusersBaseline(
-                DiffusersSpec(str(plan.engine.model), first["device"], first["dtypes"], first["threads"])
-            )
+            baseline = started or DiffusersBaseline()
+            baseline.load(DiffusersSpec(str(plan.engine.model), first["device"], first["dtypes"], first["threads"]))
+    if started is not None and baseline is not started:
+        started.close()
     try:
         runs: list[dict[str, Any]] = []
         frames_diff: int | None = None
@@ -736,8 +764,10 @@ def format_report(report: Mapping[str, Any]) -> str:
         f"  {cfg['num_frames']} frames x {cfg['height']}x{cfg['width']}, {cfg['steps']} steps, guidance "
         f"{cfg['guidance_scale']}, seed {cfg['seed']}; latents {'x'.join(map(str, cfg['latent_shape'][1:]))}; "
         f"{cfg['transformer_forwards']} transformer forwards of {_flops(cfg['transformer_flops_per_forward'])}",
-        f"  medians of {cfg['runs']} runs (+{cfg['warmup']} warm-up), interleaved; ratio = median over runs of "
-        "distvideo / diffusers (< 1: distvideo better)",
+        f"  medians of {cfg['runs']} runs (+{cfg['warmup']} warm-up)"
+        + (
+            "; interleaved, ratio = median over runs of distvideo / diffusers (< 1: distvideo better)" if theirs else ""
+        ),
         "",
         f"{'':{width}}{'distvideo':>14}{'diffusers' if theirs else '':>14}{'ratio' if theirs else '':>9}"
         f"{'(min-max)' if theirs else '':>14}",
@@ -768,4 +798,4 @@ def format_report(report: Mapping[str, Any]) -> str:
     lines += [f"note: {note}" for note in report["notes"]]
     if theirs is None and cfg["compare"] is None:
         lines.append("(add --compare diffusers for the reference column)")
-    return "\n".join(lines)
+    return "\n".join(line.rstrip() for line in lines)

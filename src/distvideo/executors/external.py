@@ -90,7 +90,8 @@ class ExternalExecutor(Executor):
                 self.worker.init_device()
             except Exception as exc:
                 if _is_collective_failure(exc):
-                    raise ProcessGroupBrokenError(self._rendezvous_failure(exc)) from exc
+                    self._broken = ProcessGroupBrokenError(self._rendezvous_failure(exc))
+                    raise self._broken from exc
                 raise
             logger.debug("joined the rendezvous at %s:%d (%s)", env.master_addr, env.master_port, env.launcher)
             if env.world_size > 1:
