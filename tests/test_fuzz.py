@@ -42,7 +42,7 @@ def request_from(values: dict[str, Any]) -> GenerationRequest:
     return GenerationRequest(**{"prompt": "a fox", **values})
 
 
-# seed, fps and max_sequence_length are ints with defaults: None is not theirs to take (see the xfail tests below)
+# seed, fps and max_sequence_length are ints with defaults: None is not theirs to take (see the tests at the end)
 NOT_OPTIONAL = ("seed", "fps", "max_sequence_length")
 
 
@@ -241,47 +241,24 @@ def test_config_file_nested_lists(tmp_path, suffix):
         load_config_file(deep_config(tmp_path, suffix, 50))
 
 
-# --- known gaps, in distvideo/config.py (outside this suite's files): strict xfails, so fixing them shows up here ---
-@pytest.mark.xfail(
-    strict=True,
-    raises=RecursionError,
-    reason="config.load_config_file lets RecursionError out of json/yaml; fix: catch RecursionError with the parse "
-    "errors and raise ConfigError('--config PATH: cannot parse: nested too deeply')",
-)
+# --- gaps the fuzzing found in distvideo/config.py, fixed there ---
 @pytest.mark.parametrize("suffix", [".json", ".yaml"])
 def test_config_file_nested_too_deep_is_a_config_error(tmp_path, suffix):
     with pytest.raises(ConfigError):
         load_config_file(deep_config(tmp_path, suffix, 5000))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason="GenerationRequest.validate: seed=None passes _check_int, then `self.seed >= 2**63` raises TypeError; fix: "
-    "raise ConfigError for None in seed (and fps, max_sequence_length), which are plain ints",
-)
 def test_request_seed_none_is_a_config_error():
     with pytest.raises(ConfigError, match="seed"):
         GenerationRequest(prompt="x", seed=None).validate()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="GenerationRequest.validate accepts fps=None and max_sequence_length=None (ints with defaults), which then "
-    "fail late (video writing, tokenizer) with other exceptions; fix as for seed",
-)
 @pytest.mark.parametrize("name", ["fps", "max_sequence_length"])
 def test_request_none_for_a_plain_int_is_a_config_error(name):
     with pytest.raises(ConfigError, match=name):
         GenerationRequest(prompt="x", **{name: None}).validate()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="EngineConfig.validate accepts dist_timeout=inf (not nan: `not nan > 0` holds); the CLI flag refuses "
-    "both (cli.main._positive_float), from_pretrained(dist_timeout=inf) fails later with OverflowError; fix: require "
-    "math.isfinite(dist_timeout)",
-)
 def test_engine_infinite_dist_timeout_is_a_config_error():
     with pytest.raises(ConfigError, match="dist_timeout"):
         EngineConfig(dist_timeout=float("inf")).validate()

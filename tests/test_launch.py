@@ -548,8 +548,6 @@ def test_read_launch_environ_goes_through_envs(monkeypatch: pytest.MonkeyPatch) 
 
 def test_every_launch_variable_is_declared_in_envs() -> None:
     undeclared = {name for name in LAUNCH_VARIABLES if name not in envs.REGISTRY}
-    if undeclared == {"SLURM_STEP_ID"}:
-        pytest.xfail("SLURM_STEP_ID still has to be declared in envs.py's launcher group")
     assert not undeclared
     assert all(envs.REGISTRY[name].group == "launcher" for name in LAUNCH_VARIABLES)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -62,8 +63,8 @@ class EngineConfig:
             raise ConfigError(f"num_gpus={self.num_gpus} must be >= 1 (the number of ranks)")
         if self.sp_size is not None and self.sp_size < 1:
             raise ConfigError(f"sp_size={self.sp_size} must be >= 1")
-        if self.dist_timeout is not None and not self.dist_timeout > 0:
-            raise ConfigError(f"dist_timeout={self.dist_timeout} must be a positive number of seconds")
+        if self.dist_timeout is not None and not (self.dist_timeout > 0 and math.isfinite(self.dist_timeout)):
+            raise ConfigError(f"dist_timeout={self.dist_timeout} must be a positive, finite number of seconds")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ConfigError(f"dtype={self.dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
         for spec in self.lora:
@@ -112,6 +113,9 @@ class GenerationRequest:
                 raise ConfigError(
                     f"guidance_scale={self.guidance_scale} must be >= 0 (1 or less turns classifier-free guidance off)"
                 )
+        for name in ("seed", "fps", "max_sequence_length"):
+            if getattr(self, name) is None:
+                raise ConfigError(f"{name}: expected an integer, got None")
         _check_int("seed", self.seed, minimum=0)
         if self.seed >= 2**63:
             raise ConfigError(f"seed={self.seed} must be below 2**63")
@@ -155,6 +159,8 @@ def load_config_file(path: str | Path) -> dict[str, dict[str, Any]]:
         data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
     except (yaml.YAMLError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"--config {path}: cannot parse: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"--config {path}: cannot parse: nested too deeply") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
