@@ -47,8 +47,8 @@ PROGRAM = textwrap.dedent(
     )
     t = torch.tensor([float(rank)])
     dist.all_reduce(t)
-    print(f"RANK {rank} WORLD {world} LOCAL {local} SUM {int(t.item())} EXTRA {os.environ.get('DISTVIDEO_SMOKE', '-')}",
-          flush=True)
+    line = f"RANK {rank} WORLD {world} LOCAL {local} SUM {int(t.item())} EXTRA {os.environ.get('DISTVIDEO_SMOKE', '-')}"
+    os.write(1, (line + "\\n").encode())  # one write per line: the ranks share the launcher's stdout
     dist.barrier()
     dist.destroy_process_group()
     """

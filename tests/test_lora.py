@@ -388,7 +388,8 @@ def test_mp_two_ranks_equals_inline(files, frames_a07, embedded_model):
 @pytest.mark.slow
 def test_torchrun_sp2_cfg2_transaction_and_parity(tmp_path, files, frames_a07):
     script = REPO / "tests" / "rank_scripts" / "lora_ranks.py"
-    proc = run_launcher("torchrun", [str(script), str(tmp_path), str(files["a"]), str(files["b"])], nproc=2)
+    argv = [str(script), str(tmp_path), str(files["a"]), str(files["b"])]
+    proc = run_launcher("torchrun", argv, nproc=2, timeout=600)
     assert proc.returncode == 0, format_output(proc)
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0 == r1, "every rank saw the same digests, states and errors"
