@@ -186,6 +186,14 @@ DEAD_PEER = [
 ]
 
 
+# how each launcher names a rank 1 killed by SIGKILL in its own output
+LAUNCHER_REPORTS = {
+    "torchrun": "failed (exitcode: -9) local_rank: 1",
+    "srun": "task 1: Killed",
+    "mpirun": "process rank 1 with PID",
+}
+
+
 @pytest.fixture(scope="module")
 def lora_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from distvideo.lora.testing import build_random_lora
@@ -226,6 +234,8 @@ def test_survivor_exits_when_a_peer_dies_mid_generation(
         assert f"rank {victim} lost" in error and "the job must be restarted" in error, error
     if launcher in ("hand", "srun") and not kill_on_bad_exit:  # nobody kills the survivor: it must leave by itself
         assert error, f"rank {survivor} did not raise the broken-group error\n{text}"
+    if launcher in LAUNCHER_REPORTS and victim == 1:  # the launchers that end the survivor name the dead rank
+        assert LAUNCHER_REPORTS[launcher] in text, text
     assert list((out / "video").iterdir()) == [], "a partial or temporary file was left beside the output"
     if scenario == "peer_dies":
         check_refusals_before_the_death(out, text)
@@ -416,9 +426,10 @@ SIGNALS = [
 @pytest.mark.parametrize(("launcher", "sig"), SIGNALS)
 def test_interrupt_under_a_launcher_stops_every_rank(launcher, sig, tmp_path):
     """`distvideo generate` under a launcher, mid-denoising: a stop signal to the launcher ends every rank (and the
-    launcher) within 10 s, with no process left behind and no video written."""
+    launcher) within 10 s, with no process left behind and no video written. torchrun forwards Ctrl-C to the ranks,
+    whose CLI cleans up: each destroys its process group. srun ends its tasks itself."""
     require_launcher(launcher)
-    env = {"FAULT_SLOW_TRANSFORMER_S": "0.2"}
+    env = {"FAULT_SLOW_TRANSFORMER_S": "0.2", "DISTVIDEO_LOG_LEVEL": "DEBUG"}
     if launcher == "srun":
         env.update(start_local_slurm())
     argv = [str(SCRIPT), str(tmp_path), "slow_cli", *SLOW_GENERATE, "--output", str(tmp_path / "video.mp4")]
@@ -432,8 +443,40 @@ def test_interrupt_under_a_launcher_stops_every_rank(launcher, sig, tmp_path):
     if launcher == "torchrun":  # torchrun forwards the signal: each rank's CLI reports it and cleans up
         assert result["returncode"] != 0, text
         assert text.count("distvideo: interrupted (SIGINT); stopped") == 2, text
+        assert "[rank 0] DEBUG distvideo.worker: rank 0: process group destroyed" in text, text
+        assert "[rank 1] DEBUG distvideo.worker: rank 1: process group destroyed" in text, text
     assert not (tmp_path / "video.mp4").exists()
     assert [p.name for p in tmp_path.iterdir()] == [], "nothing may be written beside the output"
+
+
+BLOCKED_IN_NATIVE_CODE = """
+import sys
+from datetime import timedelta
+import torch.distributed as dist
+from distvideo.cli.main import install_signal_handlers
+install_signal_handlers()
+print("waiting", flush=True)
+# waits in C++ for a rank 1 that never comes: Python cannot run a signal handler until this returns (after 120 s)
+dist.init_process_group("gloo", init_method=sys.argv[1], rank=0, world_size=2, timeout=timedelta(seconds=120))
+"""
+
+
+def test_a_stop_signal_ends_the_cli_while_it_is_blocked_in_native_code():
+    """SIGTERM while the main thread waits inside torch.distributed for a peer that never answers: the CLI's signal
+    watch still ends the process after its 8 s grace (exit 143), instead of when the wait times out."""
+    cmd = [python_executable(), "-c", BLOCKED_IN_NATIVE_CODE, f"tcp://127.0.0.1:{free_port()}"]
+    running = Running(cmd, launcher_env())
+    try:
+        running.wait_for(lambda lines: "waiting\n" in lines, 120)
+        time.sleep(0.5)
+        sent = time.monotonic()
+        running.proc.send_signal(signal.SIGTERM)
+        returncode = running.proc.wait(60)
+        stopped_s = time.monotonic() - sent
+    finally:
+        running.kill()
+    figure(f"SIGTERM while blocked in a collective's native wait: process gone {stopped_s:.1f} s later")
+    assert returncode == 143 and stopped_s < 10, running.text()
 
 
 def test_mp_executor_worker_death_and_sigterm(tmp_path):

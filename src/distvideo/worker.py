@@ -188,6 +188,7 @@ class Worker:
         if self.process_group_initialized and torch.distributed.is_initialized():
             if not broken:
                 torch.distributed.destroy_process_group()
+                logger.debug("rank %d: process group destroyed", self.rank)
             else:
                 try:
                     abort = getattr(torch.distributed.distributed_c10d, "_abort_process_group", None)
@@ -196,6 +197,7 @@ class Worker:
                     else:
                         torch.distributed.destroy_process_group()
                     gc.collect()  # the groups' last references may sit in reference cycles (modules, hooks)
+                    logger.debug("rank %d: broken process group released", self.rank)
                 except Exception:
                     logger.debug("releasing a broken process group failed", exc_info=True)
         self.process_group_initialized = False

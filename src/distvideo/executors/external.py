@@ -401,7 +401,6 @@ class _Heartbeat:
         self._publisher = self._connect(env)  # the thread's connection
         self._reader = self._connect(env)  # the caller's
         self._pulse = _Pulse(0, 0, "idle", "start-up")
-        self._wake = threading.Event()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="distvideo-heartbeat", daemon=True)
         self._thread.start()
@@ -425,9 +424,9 @@ class _Heartbeat:
         return f"{self._prefix}{rank}"
 
     def publish(self, pulse: _Pulse) -> None:
-        """Called by the main thread at each phase of a call; the thread sends it at once."""
+        """Called by the main thread at each phase of a call: no I/O, so calls cost nothing more; the thread sends the
+        latest state with its next beat (the readers wait seconds, never less than a beat)."""
         self._pulse = pulse
-        self._wake.set()
 
     def _run(self) -> None:
         beat = 0
@@ -438,8 +437,7 @@ class _Heartbeat:
                 self._publisher.set(self.key(self.rank), pulse.encode())
             except Exception:
                 return  # the store went away with its host; the survivors find out when they look
-            self._wake.wait(HEARTBEAT_INTERVAL_S)
-            self._wake.clear()
+            self._stopped.wait(HEARTBEAT_INTERVAL_S)
 
     def read(self) -> dict[int, _Pulse]:
         """The last pulse of every other rank that sent one; raises when the store is unreachable."""
@@ -466,7 +464,6 @@ class _Heartbeat:
         """Stop the thread and close both connections now. A connection left to the garbage collector keeps rank 0's
         store alive, and a later process group on the same port (a new VideoGenerator) would find its stale keys."""
         self._stopped.set()
-        self._wake.set()
         self._thread.join(timeout=2.0)
         self._publisher = self._reader = None  # type: ignore[assignment]
 
