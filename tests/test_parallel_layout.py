@@ -1,4 +1,5 @@
-"""Pure arithmetic of the parallel package: layouts, sequence shards, decode bands and halos (tables, no ranks)."""
+"""Single-process pieces of the parallel package: layouts, sequence shards, decode bands and halos (tables), the
+text-projection memo, and the generator refusing impossible layouts."""
 
 from __future__ import annotations
 
@@ -184,3 +185,31 @@ def test_generator_refuses_impossible_layouts_before_loading(embedded_model, kwa
 
     with pytest.raises(ConfigError, match=re.escape(fragment)):
         VideoGenerator.from_pretrained(embedded_model, **kwargs)
+
+
+# --- text projections reused across steps -----------------------------------------------------------------------------
+
+
+def test_input_memo_reuses_only_the_same_unchanged_tensor():
+    from collections import Counter
+
+    from distvideo.parallel.text_cache import InputMemo
+
+    layer = torch.nn.Linear(4, 3)
+    counts: Counter[str] = Counter()
+    memo = InputMemo(layer, counts)
+    a, b, c = torch.randn(2, 4), torch.randn(2, 4), torch.randn(2, 4)
+    with torch.no_grad():
+        first = layer(a)
+        assert layer(a) is first and layer(b) is not first and layer(a) is first  # two entries: a and b
+        layer(c)  # evicts a
+        assert layer(a) is not first
+        again = layer(a)
+        a.mul_(2)  # changed in place: recomputed
+        assert layer(a) is not again and torch.allclose(
+            layer(a), torch.nn.functional.linear(a, layer.weight, layer.bias)
+        )
+    assert counts["text_projection_reused"] == 4
+    assert layer(a) is not layer(a)  # autograd on: never reused
+    memo.remove()
+    assert "forward" not in vars(layer)

@@ -1,10 +1,9 @@
-"""The two branches of classifier-free guidance on a parallel layout.
+"""CFG parallelism: the conditional and unconditional branches run on the two halves of the world.
 
-With CFG parallelism the conditional and unconditional branches run on the two halves of the world: each rank runs
-one branch of every step, and one all-gather over its CFG pair brings the other, so every rank holds both
-predictions, applies the same guidance and the same scheduler step, and the latents stay identical everywhere.
-Without it (sequence parallelism alone) both branches run as one batched forward, which halves the collectives
-(and the synchronisation points) per step at the price of twice the activations per forward.
+Each rank runs one branch of every step; one all-gather over its CFG pair brings the other branch, so every rank
+holds both predictions, applies the same guidance and the same scheduler step, and the latents stay identical
+everywhere. (Without CFG parallelism the branches run one after the other, as on one rank: batching them into one
+forward halves the collectives per step but measured no faster and doubles the activations; see docs/parallel.md.)
 """
 
 from __future__ import annotations
@@ -48,23 +47,3 @@ def cfg_parallel_noise(
     if counts is not None:
         counts["cfg_all_gather"] += 1
     return both[COND], both[UNCOND]
-
-
-def batched_cfg_noise(
-    noise: Callable[[torch.Tensor], torch.Tensor],
-    prompt_embeds: torch.Tensor | None,
-    negative_embeds: torch.Tensor | None,
-    *,
-    do_cfg: bool,
-    counts: Counter[str] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(conditional, unconditional or None) noise predictions from one forward over both texts."""
-    assert prompt_embeds is not None
-    if not do_cfg:
-        return noise(prompt_embeds), None
-    assert negative_embeds is not None
-    both = noise(torch.cat([prompt_embeds, negative_embeds]))
-    if counts is not None:
-        counts["cfg_batched_forward"] += 1
-    cond, uncond = both.chunk(2)
-    return cond, uncond

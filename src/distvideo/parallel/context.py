@@ -14,9 +14,10 @@ import torch
 import torch.distributed as dist
 
 from distvideo.config import EngineConfig
-from distvideo.parallel.cfg import batched_cfg_noise, cfg_parallel_noise, texts_for_branch
+from distvideo.parallel.cfg import cfg_parallel_noise, texts_for_branch
 from distvideo.parallel.groups import ParallelGroups
 from distvideo.parallel.layout import resolve_layout
+from distvideo.parallel.text_cache import memoize_text_projections
 from distvideo.parallel.ulysses import UlyssesPlan
 from distvideo.parallel.vae import MIN_BAND_ROWS, BandedVaeDecoder
 
@@ -26,11 +27,14 @@ TextEncoding = Literal["local", "broadcast"]
 
 #: "local": every rank encodes the texts it needs (under CFG parallelism only its branch's text): no communication,
 #: but every rank holds the text encoder. "broadcast": rank 0 encodes, the embeddings are broadcast. Local measured
-#: faster (docs/parallel.md), so it is the default.
+#: faster under cfg=2 and equal under sp=2 (docs/parallel.md), so it is the default.
 DEFAULT_TEXT_ENCODING: TextEncoding = "local"
 
 
 class ParallelContext:
+    """One rank's view of the layout: its process groups, the plans applied to its modules, and the parallel
+    versions of the pipeline stages that need them (text encoding, CFG branches, decode)."""
+
     def __init__(
         self,
         groups: ParallelGroups,
@@ -70,6 +74,8 @@ class ParallelContext:
         if self.layout.sp_enabled:
             self.ulysses = UlyssesPlan(self.groups.sp, self.layout.sp_size, self.groups.sp_rank)
             self.ulysses.apply(components["transformer"])
+            # SP does not split the text side of cross-attention: project it once per request, not once per step
+            memoize_text_projections(components["transformer"], self.counts)
         self.vae_decoder.apply(components["vae"])
         logger.debug("rank %d: %s", self.rank, self.layout.describe())
 
@@ -120,9 +126,7 @@ class ParallelContext:
         negative_embeds: torch.Tensor | None,
         do_cfg: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(conditional, unconditional or None) predictions of one step (see distvideo.parallel.cfg)."""
-        if not self.cfg_parallel:
-            return batched_cfg_noise(noise, prompt_embeds, negative_embeds, do_cfg=do_cfg, counts=self.counts)
+        """(conditional, unconditional or None) predictions of one step under CFG parallelism."""
         if not do_cfg and not self._told_duplicate:
             if self.rank == 0:
                 logger.info(

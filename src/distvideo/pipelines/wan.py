@@ -137,18 +137,12 @@ class WanT2VPipeline:
         timestep = t.expand(latents.shape[0])
 
         def noise(embeds: torch.Tensor) -> torch.Tensor:
-            """One prediction per text in `embeds` (several texts: one batched forward)."""
-            n = embeds.shape[0] // model_input.shape[0]
             return self.transformer(
-                hidden_states=model_input.repeat(n, 1, 1, 1, 1) if n > 1 else model_input,
-                timestep=timestep.repeat(n) if n > 1 else timestep,
-                encoder_hidden_states=embeds,
-                return_dict=False,
+                hidden_states=model_input, timestep=timestep, encoder_hidden_states=embeds, return_dict=False
             )[0]
 
-        if self.parallel is not None:
-            # CFG parallelism: this rank runs one branch and one all-gather per step brings the other; sequence
-            # parallelism alone runs both branches in one batched forward (half the collectives per step)
+        if self.parallel is not None and self.parallel.cfg_parallel:
+            # CFG parallelism: this rank runs one branch; one all-gather per step brings the other
             cond, uncond = self.parallel.cfg_branches(
                 noise, batch.prompt_embeds, batch.negative_prompt_embeds, batch.do_cfg
             )
