@@ -57,6 +57,20 @@ _declare(
     "Intra-op CPU threads per rank. Default: OMP_NUM_THREADS when the user set it, else cores / local world size.",
 )
 _declare("DISTVIDEO_NO_PROGRESS", _bool, False, "Disable the tqdm progress bar (same as --no-progress).")
+_declare(
+    "DISTVIDEO_COMPACT_TEXT_PADDING",
+    _bool,
+    True,
+    "Cross-attend to the text padding as one key with weight r instead of r identical keys (exact in math; "
+    "docs/parallel.md). 0 runs diffusers' cross-attention unchanged.",
+)
+_declare(
+    "DISTVIDEO_ONEDNN_CONV3D",
+    _bool,
+    True,
+    "Run CPU float32 3D convolutions (the VAE's) through oneDNN, which PyTorch's size heuristic skips for them. "
+    "0 keeps PyTorch's choice.",
+)
 
 # --- launcher variables (read by distvideo.launch; torchrun, Open MPI, MPICH/Intel MPI, Slurm) ---
 _LAUNCH_DOCS = {

@@ -22,7 +22,10 @@ from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 from diffusers.utils.torch_utils import randn_tensor
 from tqdm.auto import tqdm
 
+from distvideo import envs
 from distvideo.config import GenerationRequest
+from distvideo.models.cpu_kernels import use_onednn_conv3d
+from distvideo.models.text_padding import TextPaddingPlan
 
 if TYPE_CHECKING:
     from distvideo.parallel.context import ParallelContext
@@ -63,6 +66,13 @@ class WanT2VPipeline:
         self.text_encoder = components["text_encoder"].to(device).eval()
         self.transformer = components["transformer"].to(device).eval()
         self.vae = components["vae"].to(device).eval()
+        # the text padding as one weighted key in cross-attention (exact in math; models/text_padding.py)
+        self.text_padding = TextPaddingPlan()
+        if envs.get("DISTVIDEO_COMPACT_TEXT_PADDING"):
+            self.text_padding.apply(self.transformer)
+        if envs.get("DISTVIDEO_ONEDNN_CONV3D"):  # CPU float32 only, decided per call (models/cpu_kernels.py)
+            use_onednn_conv3d(self.vae)
+            use_onednn_conv3d(self.transformer)
         self.scheduler_config = components["scheduler"].config
         self.scheduler_cls = type(components["scheduler"])
         self.device = device

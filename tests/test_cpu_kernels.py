@@ -1,0 +1,86 @@
+"""3D convolutions routed to oneDNN on CPU (models/cpu_kernels.py) give PyTorch's results."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from distvideo import VideoGenerator
+from distvideo.models.cpu_kernels import onednn_available, use_onednn_conv3d
+
+from conftest import max_abs_diff
+
+pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(kernel_size=3, padding=0),
+        dict(kernel_size=3, padding=1, stride=(1, 2, 2)),
+        dict(kernel_size=(1, 2, 2), stride=(1, 2, 2)),
+        dict(kernel_size=(3, 1, 1), padding=(1, 0, 0), groups=2),
+    ],
+)
+def test_conv3d_matches_pytorch(kwargs):
+    torch.manual_seed(0)
+    conv = nn.Conv3d(4, 6, **kwargs)
+    x = torch.randn(1, 4, 3, 11, 9)
+    with torch.no_grad():
+        ref = conv(x)
+        calls = []
+        restore = use_onednn_conv3d(conv)
+        handle = conv.register_forward_hook(lambda *a: calls.append(1))
+        out = conv(x)
+        handle.remove()
+    assert calls and "_conv_forward" in vars(conv)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    restore()
+    assert "_conv_forward" not in vars(conv)
+
+
+def test_wan_causal_conv_uses_onednn(monkeypatch):
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
+
+    torch.manual_seed(1)
+    conv = WanCausalConv3d(3, 5, 3, padding=1)
+    x, cache = torch.randn(1, 3, 1, 8, 8), torch.randn(1, 3, 2, 8, 8)
+    with torch.no_grad():
+        ref = conv(x, cache)
+        use_onednn_conv3d(conv)
+        seen = []
+        real = torch.ops.aten.mkldnn_convolution
+
+        class Spy:
+            def __getattr__(self, name):
+                if name == "mkldnn_convolution":
+                    return lambda *a: (seen.append(a[0].shape), real(*a))[1]
+                return getattr(torch.ops.aten, name)
+
+        monkeypatch.setattr(torch.ops, "aten", Spy())
+        out = conv(x, cache)
+    assert seen == [torch.Size([1, 3, 3, 10, 10])]  # the causal cache and the row/column padding went in
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_autograd_keeps_pytorchs_kernel():
+    conv = nn.Conv3d(2, 2, 3, padding=1)
+    use_onednn_conv3d(conv)
+    x = torch.randn(1, 2, 2, 5, 5, requires_grad=True)
+    conv(x).sum().backward()  # the fallback path: gradients flow as usual
+    assert x.grad is not None and x.grad.abs().sum() > 0
+
+
+def test_pipeline_frames_equal_with_and_without_onednn(test_checkpoint, monkeypatch):
+    kwargs = dict(num_frames=9, height=48, width=64, num_inference_steps=2, guidance_scale=3.0, seed=5)
+    frames = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("DISTVIDEO_ONEDNN_CONV3D", flag)
+        with VideoGenerator.from_pretrained(test_checkpoint, executor="inline") as gen:
+            vae = gen.executor.worker.pipeline.vae
+            patched = sum("_conv_forward" in vars(m) for m in vae.modules())
+            assert (patched > 0) == (flag == "1")
+            frames[flag] = gen.generate("a boat", save_video=False, **kwargs).frames
+    assert frames["1"].std() > 1.0
+    assert max_abs_diff(frames["0"], frames["1"]) <= 1
