@@ -166,13 +166,17 @@ def run_paired(args: argparse.Namespace) -> dict[str, Any] | None:
 
     One denoising step (both CFG branches) at the benchmark shape: one rank (rank 1 waits), cfg=2 (a branch per rank
     + all-gather), distvideo sp=2 (Ulysses plan + text-projection memo, two forwards) and diffusers' Ulysses (two
-    forwards). One decode of the latents: one rank (rank 1 waits) and the banded decode on both ranks. Rank 0's CPU
-    time is reported too: it does not count time spent waiting for a core that other processes hold.
+    forwards); distvideo's transformers carry the text-padding plan, as the engine's do. One decode of the latents:
+    diffusers' decode on one rank, distvideo's (oneDNN 3D convolutions) on one rank, and distvideo's banded decode on
+    both ranks. Rank 0's CPU time is reported too: it does not count time spent waiting for a core that other
+    processes hold.
     """
     import torch
     import torch.distributed as dist
     from diffusers import AutoencoderKLWan, ContextParallelConfig, WanTransformer3DModel
 
+    from distvideo.models.cpu_kernels import use_onednn_conv3d
+    from distvideo.models.text_padding import TextPaddingPlan
     from distvideo.parallel.text_cache import memoize_text_projections
     from distvideo.parallel.ulysses import UlyssesPlan
     from distvideo.parallel.vae import BandedVaeDecoder
@@ -183,10 +187,14 @@ def run_paired(args: argparse.Namespace) -> dict[str, Any] | None:
     rank, world = dist.get_rank(), dist.get_world_size()
     folder = Path(args.model)
     plain, ours, theirs = (WanTransformer3DModel.from_pretrained(folder / "transformer").eval() for _ in range(3))
+    TextPaddingPlan().apply(plain)  # distvideo's one-rank transformer (as WanT2VPipeline applies it)
+    TextPaddingPlan().apply(ours)
     UlyssesPlan(dist.group.WORLD, world, rank).apply(ours)
     memoize_text_projections(ours)  # as ParallelContext.apply_plans does under SP
     theirs.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
+    stock_vae = AutoencoderKLWan.from_pretrained(folder / "vae").eval()
     vae = AutoencoderKLWan.from_pretrained(folder / "vae").eval()
+    use_onednn_conv3d(vae)
     banded = BandedVaeDecoder(lambda size: dist.group.WORLD, rank, world).apply(vae)
 
     gen = torch.Generator("cpu").manual_seed(0)
@@ -194,8 +202,14 @@ def run_paired(args: argparse.Namespace) -> dict[str, Any] | None:
     latent_frames = (args.frames - 1) // 4 + 1
     x = torch.randn(1, z, latent_frames, args.height // 8, args.width // 8, generator=gen)
     t = torch.tensor([500.0])
-    # one tensor object per text for the whole launch, as a request's embeddings are for all its steps
-    cond, uncond = torch.randn(2, 1, 512, plain.config.text_dim, generator=gen).unbind(0)
+    # one tensor object per text for the whole launch, as a request's embeddings are for all its steps; zero rows
+    # after the prompt's tokens, as the pipelines' text encoding leaves them (16 and 9 tokens: the
+    # end-to-end prompt and negative prompt under the checkpoint's tokenizer)
+    cond, uncond = torch.zeros(2, 1, 512, plain.config.text_dim).unbind(0)
+    cond[:, :16], uncond[:, :9] = (
+        torch.randn(16, plain.config.text_dim, generator=gen),
+        torch.randn(9, plain.config.text_dim, generator=gen),
+    )
 
     def forward(model: Any, hidden: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         return model(hidden_states=hidden, timestep=t, encoder_hidden_states=embeds, return_dict=False)[0]
@@ -215,6 +229,10 @@ def run_paired(args: argparse.Namespace) -> dict[str, Any] | None:
     def diffusers_step() -> None:
         forward(theirs, x, cond), forward(theirs, x, uncond)
 
+    def diffusers_decode() -> None:
+        if rank == 0:
+            stock_vae.decode(x, return_dict=False)
+
     def single_decode() -> None:
         if rank == 0:
             vae.decode(x, return_dict=False)
@@ -223,7 +241,7 @@ def run_paired(args: argparse.Namespace) -> dict[str, Any] | None:
         banded.decode(x)
 
     steps = {"single": single_step, "cfg2": cfg_step, "sp2": sp_step, "diffusers-ulysses2": diffusers_step}
-    decodes = {"single": single_decode, "banded2": banded_decode}
+    decodes = {"single": single_decode, "banded2": banded_decode, "diffusers-single": diffusers_decode}
     times: dict[str, list[float]] = {f"step/{k}": [] for k in steps} | {f"decode/{k}": [] for k in decodes}
     cpu: dict[str, list[float]] = {key: [] for key in times}
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from distvideo import VideoGenerator
-from distvideo.models.cpu_kernels import onednn_available, use_onednn_conv3d
+from distvideo.models.cpu_kernels import onednn_available, use_cpu_kernels, use_fast_rms_norms, use_onednn_conv3d
 
 from conftest import max_abs_diff
 
@@ -64,6 +64,30 @@ def test_wan_causal_conv_uses_onednn(monkeypatch):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("channel_first, images", [(True, False), (True, True), (False, True)])
+def test_fast_rms_norm_matches_diffusers(dtype, channel_first, images):
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanRMS_norm
+
+    torch.manual_seed(2)
+    norm = WanRMS_norm(6, channel_first=channel_first, images=images, bias=True)
+    with torch.no_grad():
+        norm.gamma.normal_()
+        norm.bias.normal_()
+    shape = {(True, False): (2, 6, 3, 5, 4), (True, True): (2, 6, 5, 4), (False, True): (2, 5, 4, 6)}
+    x = (torch.randn(shape[channel_first, images]) * 3).to(dtype)
+    x[0, ..., 0] = 0  # all-zero pixels: the eps clamp, no NaN
+    with torch.no_grad():
+        ref = norm(x)
+        restore = use_fast_rms_norms(norm)
+        out = norm(x)
+    assert "forward" in vars(norm) and out.dtype == ref.dtype and torch.isfinite(out).all()
+    tolerance = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(out, ref, rtol=tolerance, atol=tolerance)
+    restore()
+    assert "forward" not in vars(norm)
+
+
 def test_autograd_keeps_pytorchs_kernel():
     conv = nn.Conv3d(2, 2, 3, padding=1)
     use_onednn_conv3d(conv)
@@ -72,15 +96,26 @@ def test_autograd_keeps_pytorchs_kernel():
     assert x.grad is not None and x.grad.abs().sum() > 0
 
 
-def test_pipeline_frames_equal_with_and_without_onednn(test_checkpoint, monkeypatch):
+def test_use_cpu_kernels_undoes_both():
+    from diffusers import AutoencoderKLWan
+
+    vae = AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[False])
+    restore = use_cpu_kernels(vae)
+    assert any("_conv_forward" in vars(m) for m in vae.modules()) and any("forward" in vars(m) for m in vae.modules())
+    restore()
+    assert not any("_conv_forward" in vars(m) or "forward" in vars(m) for m in vae.modules())
+
+
+def test_pipeline_frames_equal_with_and_without_cpu_kernels(test_checkpoint, monkeypatch):
     kwargs = dict(num_frames=9, height=48, width=64, num_inference_steps=2, guidance_scale=3.0, seed=5)
     frames = {}
     for flag in ("0", "1"):
-        monkeypatch.setenv("DISTVIDEO_ONEDNN_CONV3D", flag)
+        monkeypatch.setenv("DISTVIDEO_CPU_KERNELS", flag)
         with VideoGenerator.from_pretrained(test_checkpoint, executor="inline") as gen:
             vae = gen.executor.worker.pipeline.vae
-            patched = sum("_conv_forward" in vars(m) for m in vae.modules())
-            assert (patched > 0) == (flag == "1")
+            convs = sum("_conv_forward" in vars(m) for m in vae.modules())
+            norms = sum("forward" in vars(m) for m in vae.modules() if type(m).__name__ == "WanRMS_norm")
+            assert (convs > 0, norms > 0) == ((True, True) if flag == "1" else (False, False))
             frames[flag] = gen.generate("a boat", save_video=False, **kwargs).frames
     assert frames["1"].std() > 1.0
     assert max_abs_diff(frames["0"], frames["1"]) <= 1

@@ -409,6 +409,10 @@ def test_torchrun_sp2_cfg2_transaction_and_parity(tmp_path, files, frames_a07):
     assert "the ranks read different files" in r0["different_files"]["message"]
     assert r0["after_different_files"] == with_a
     assert r0["divergent_is_refused"], r0["divergent"]
+    # a non-finite strength on rank 1 only: both ranks refuse the call, naming the invalid argument
+    invalid = r0["invalid_on_one_rank"]
+    assert invalid["type"] == "DivergentCallError", invalid
+    assert "invalid_arguments" in invalid["message"] and "strength must be a finite number" in invalid["message"]
     assert r0["after_clear"] == base
 
 

@@ -65,6 +65,17 @@ def sleep_then_answer(worker, seconds, answer):
     return answer
 
 
+def raise_in_second_transformer_call_on_rank_1(worker):
+    calls = []
+
+    def hook(module, args, output):
+        calls.append(1)
+        if worker.rank == 1 and len(calls) == 2:
+            raise RuntimeError("planted failure in transformer call 2 on rank 1")
+
+    worker.pipeline.transformer.register_forward_hook(hook)
+
+
 # --- fixtures -----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
@@ -197,6 +208,27 @@ def test_a_killed_worker_is_reported_and_the_executor_is_dead(model_path: str):
         gen.generate("a cat", **SMALL)
     assert wait_gone(pids, within=5) == []
     gen.shutdown()
+    gen.shutdown()
+
+
+def test_a_rank_failing_alone_mid_generation_does_not_wait_for_dist_timeout(model_path: str):
+    """Rank 1 raises in its 2nd transformer call while rank 0 waits for it in the CFG all-gather: the driver gives
+    rank 0 a settling time, then tears both down and raises rank 1's error, long before dist_timeout."""
+    gen = VideoGenerator.from_pretrained(model_path, num_gpus=2, executor="mp", dist_timeout=300)
+    pids = gen.collective_rpc(pid_of)
+    gen.collective_rpc(raise_in_second_transformer_call_on_rank_1)
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        gen.generate("a cat", guidance_scale=5.0, **SMALL)
+    took = time.monotonic() - start
+    message = str(info.value)
+    assert 5.0 <= took < 60, f"raised after {took:.1f} s: {message}"
+    assert "rank 1: RuntimeError: planted failure in transformer call 2 on rank 1" in message, message
+    assert "rank(s) 0 were still inside the call 5 s later" in message and "create a new one" in message, message
+    assert info.value.failures == {1: ("RuntimeError", "planted failure in transformer call 2 on rank 1")}
+    with pytest.raises(RuntimeError, match="executor is dead"):
+        gen.collective_rpc(rank_of)
+    assert wait_gone(pids, within=5) == []
     gen.shutdown()
 
 

@@ -65,11 +65,11 @@ _declare(
     "docs/parallel.md). 0 runs diffusers' cross-attention unchanged.",
 )
 _declare(
-    "DISTVIDEO_ONEDNN_CONV3D",
+    "DISTVIDEO_CPU_KERNELS",
     _bool,
     True,
-    "Run CPU float32 3D convolutions (the VAE's) through oneDNN, which PyTorch's size heuristic skips for them. "
-    "0 keeps PyTorch's choice.",
+    "Faster CPU kernels for the VAE: float32 3D convolutions through oneDNN (which PyTorch's size heuristic skips "
+    "for them) and channel RMS norms as a sum of squares and an rsqrt. 0 keeps diffusers' and PyTorch's own.",
 )
 
 # --- launcher variables (read by distvideo.launch; torchrun, Open MPI, MPICH/Intel MPI, Slurm) ---

@@ -67,6 +67,11 @@ def main() -> None:
         report["divergent"] = attempt(lambda: gen.set_lora_adapter("a", strength=0.5 + rank))
         report["divergent_is_refused"] = report["divergent"]["type"] == DivergentCallError.__name__
 
+        # arguments invalid on one rank only: refused on both (the other rank is not left waiting)
+        report["invalid_on_one_rank"] = attempt(
+            lambda: gen.set_lora_adapter("a", lora_a, strength=float("nan") if rank == 1 else 0.5)
+        )
+
         gen.clear_lora_adapters()
         report["after_clear"] = gen.collective_rpc(transformer_digest)
         report["lora_error_name"] = LoraError.__name__

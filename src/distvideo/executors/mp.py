@@ -66,6 +66,9 @@ _STARTUP_ID = 0
 SHUTDOWN_GRACE_S = 5.0  # shutdown: how long workers get to finish their call and leave by themselves
 TERMINATE_GRACE_S = 2.0  # then SIGTERM, then SIGKILL
 STARTUP_FAILURE_GRACE_S = 1.5  # after a rank fails to start: how long the others get to report theirs
+#: execute_forward failed on some rank while others are still inside it: how long they get to answer before the
+#: driver concludes they are blocked in a collective the failed rank will never join (as SETTLE_S of external.py)
+FORWARD_FAILURE_SETTLE_S = 5.0
 PARENT_POLL_S = 0.5
 
 
@@ -323,7 +326,7 @@ class MultiprocExecutor(Executor):
             call_id = self._next_id
             try:
                 self._send(call_id, op, payload)
-                statuses = self._gather(call_id, method, timeout)
+                statuses = self._gather(call_id, method, timeout, settle=op == _OP_FORWARD)
             except KeyboardInterrupt:
                 self._dead = f"interrupted (KeyboardInterrupt) during collective_rpc({method_name(method)!r})"
                 logger.info("interrupted: tearing the %d workers down", self.world_size)
@@ -363,19 +366,30 @@ class MultiprocExecutor(Executor):
             except OSError:  # the worker is gone; its sentinel tells how
                 self._worker_died(rank, f"call {call_id}")
 
-    def _gather(self, call_id: int, method: str | Callable[..., Any], timeout: float | None) -> list[RankStatus]:
+    def _gather(
+        self, call_id: int, method: str | Callable[..., Any], timeout: float | None, *, settle: bool = False
+    ) -> list[RankStatus]:
+        """Every rank's status of call `call_id`. `settle` (execute_forward, whose ranks run in lockstep): once a
+        rank has failed, the others get FORWARD_FAILURE_SETTLE_S to answer; then they are taken to be blocked in a
+        collective with it, and every worker is torn down (see `_blocked_after_failure`)."""
         statuses: list[RankStatus | None] = [None] * self.world_size
         pending = set(range(self.world_size))
         deadline = None if timeout is None else time.monotonic() + timeout
+        settle_end: float | None = None
         what = f"collective_rpc({method_name(method)!r})"
         while pending:
-            remaining = None if deadline is None else deadline - time.monotonic()
+            now = time.monotonic()
+            if settle_end is not None and now >= settle_end:
+                self._blocked_after_failure(method, [s for s in statuses if s is not None], pending)
+            remaining = None if deadline is None else deadline - now
             if remaining is not None and remaining <= 0:
                 ranks = ", ".join(f"rank {r}" for r in sorted(pending))
                 raise TimeoutError(
                     f"{what} timed out after {timeout} s: no answer from {ranks}. The ranks keep running the call "
                     "(the executor stays usable; the next call runs after it, and its late answers are dropped)."
                 )
+            if settle_end is not None:
+                remaining = settle_end - now if remaining is None else min(remaining, settle_end - now)
             # like multiprocessing.connection.wait on pipes and sentinels, without a new selector per call
             events = self._poller.poll(None if remaining is None else math.ceil(remaining * 1000))
             died = []
@@ -392,11 +406,37 @@ class MultiprocExecutor(Executor):
                 if answer_id == call_id:
                     statuses[rank] = status
                     pending.discard(rank)
+                    if settle and not status.ok and settle_end is None:
+                        settle_end = time.monotonic() + FORWARD_FAILURE_SETTLE_S
                 else:
                     _discard(status)  # the late answer to a timed-out call
             if died:
                 self._worker_died(min(died), what)
         return [s for s in statuses if s is not None]
+
+    def _blocked_after_failure(
+        self, method: str | Callable[..., Any], answered: list[RankStatus], pending: set[int]
+    ) -> NoReturn:
+        """Some ranks failed a lockstep call and the others did not answer within the settling time: they wait in a
+        collective that will never complete. Tear every worker down (the group cannot be trusted any more) and raise
+        the failed ranks' error, saying which ranks were left blocked."""
+        error = collective_error(method, answered)
+        assert error is not None
+        for status in answered:
+            _discard(status)
+        blocked = ", ".join(str(r) for r in sorted(pending))
+        failed = ", ".join(str(r) for r in sorted(error.failures))
+        self._dead = f"rank(s) {failed} failed while rank(s) {blocked} waited in a collective with them"
+        logger.error(
+            "%s for %.0f s: tearing the %d workers down", self._dead, FORWARD_FAILURE_SETTLE_S, self.world_size
+        )
+        self._stop_workers(graceful=False)
+        raise RankFailure(
+            f"{error}\nrank(s) {blocked} were still inside the call {FORWARD_FAILURE_SETTLE_S:.0f} s later, blocked in "
+            "a collective the failed rank(s) will never join; every worker was torn down and this VideoGenerator can "
+            "no longer be used: create a new one.",
+            error.failures,
+        ) from _remote_traceback(s for s in answered if not s.ok)
 
     def _worker_died(self, rank: int, during: str) -> NoReturn:
         """Record why the executor is dead, tear every worker down and raise."""

@@ -42,9 +42,15 @@ def check_arguments(nickname: Any, path: Any, strength: Any, accumulate: Any) ->
 def set_lora_adapter(
     executor: Any, nickname: str, path: str | os.PathLike[str] | None, strength: float, accumulate: bool
 ) -> None:
-    nickname, resolved, strength, accumulate = check_arguments(nickname, path, strength, accumulate)
-    what = f"set_lora_adapter({nickname!r})"
-    # Paths may differ per rank (node-local copies); what must agree is the call, and (checked below) the bytes read.
+    try:
+        checked, invalid = check_arguments(nickname, path, strength, accumulate), None
+    except LoraError as exc:
+        checked, invalid = None, exc
+    # Paths may differ per rank (node-local copies); what must agree is the call, whether its arguments were valid
+    # (so arguments refused on one rank only are refused on every rank, none left waiting in a collective), and
+    # (checked below) the bytes read.
+    if checked is not None:
+        nickname, resolved, strength, accumulate = checked
     executor.ensure_consistent(
         "set_lora_adapter",
         {
@@ -52,9 +58,13 @@ def set_lora_adapter(
             "nickname": nickname,
             "strength": strength,
             "accumulate": accumulate,
-            "loads_file": resolved is not None,
+            "loads_file": path is not None,
+            "invalid_arguments": None if invalid is None else str(invalid),
         },
     )
+    if invalid is not None:
+        raise invalid
+    what = f"set_lora_adapter({nickname!r})"
     try:
         described = executor.collective_rpc(on_rank.prepare_adapter, args=(nickname, resolved, strength, accumulate))
     except Exception as exc:

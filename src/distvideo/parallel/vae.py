@@ -148,7 +148,7 @@ class BandedVaeDecoder:
     def _haloed_causal_conv3d(self, conv: Any) -> Callable[..., torch.Tensor]:
         """WanCausalConv3d.forward with the rows' zero padding replaced by the neighbours' rows inside a decode."""
         original = conv.forward
-        w_pad, w_pad2, h_pad, h_pad2, _, t_after = conv._padding
+        w_pad, w_pad2, h_pad, h_pad2, t_before, t_after = conv._padding
         if (w_pad, h_pad, t_after) != (w_pad2, h_pad2, 0):
             raise NotImplementedError(f"unexpected WanCausalConv3d padding {conv._padding}")
         halo = conv_row_halo(conv.kernel_size[1], conv.stride[1], h_pad)
@@ -156,13 +156,13 @@ class BandedVaeDecoder:
         def forward(x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
             if self._band is None:
                 return original(x, cache_x)
-            padding = list(conv._padding)
-            if cache_x is not None and padding[4] > 0:
-                x = torch.cat([cache_x.to(x.device), x], dim=2)
-                padding[4] -= cache_x.shape[2]
-            x = self.exchange_halo(x, halo)
-            padding[2] = padding[3] = 0
-            return nn.Conv3d.forward(conv, F.pad(x, padding))
+            parts, front = [x], t_before
+            if cache_x is not None and t_before > 0:  # as diffusers: the cached frames stand in for time padding
+                parts, front = [cache_x.to(x.device), x], t_before - cache_x.shape[2]
+                if front < 0:  # a longer cache than the padding: diffusers' F.pad crops the oldest frames
+                    parts, front = [cache_x.to(x.device)[:, :, -front:], x], 0
+            # one buffer holding the time padding, cache, frames, halo rows and column padding: the conv's input
+            return nn.Conv3d.forward(conv, self.haloed(parts, halo, front=front, w_pad=w_pad))
 
         return forward
 
@@ -176,35 +176,61 @@ class BandedVaeDecoder:
         def forward(x: torch.Tensor) -> torch.Tensor:
             if self._band is None:
                 return original(x)
-            x = F.pad(self.exchange_halo(x, halo), (w_pad, w_pad, 0, 0))
+            x = self.haloed([x], halo, w_pad=w_pad)
             return F.conv2d(x, conv.weight, conv.bias, conv.stride, 0, conv.dilation, conv.groups)
 
         return forward
 
     # -- communication inside a decode ---------------------------------------------------------------------
-    def exchange_halo(self, x: torch.Tensor, halo: int) -> torch.Tensor:
-        """`x` (..., rows, W) with `halo` rows of each neighbour's band above and below (zeros at the edges)."""
+    def haloed(self, parts: list[torch.Tensor], halo: int, *, front: int = 0, w_pad: int = 0) -> torch.Tensor:
+        """The input of a convolution over this rank's band, built in one buffer: `parts` (..., rows, W) joined
+        along time (dim 2 of 5-D tensors), `front` zero frames before them, `halo` rows of each neighbour's band
+        above and below (zeros at the true top and bottom edges), and `w_pad` zero columns on each side."""
         band = self._band
         assert band is not None
-        if x.shape[-2] < halo:
-            raise RuntimeError(f"a band of {x.shape[-2]} rows cannot provide a halo of {halo}")
-        shape = (*x.shape[:-2], halo, x.shape[-1])
-        top, bottom = x.new_zeros(shape), x.new_zeros(shape)
-        ops = []
-        if band.prev_rank is not None:
+        first = parts[0]
+        rows, width = first.shape[-2:]
+        if rows < halo:
+            raise RuntimeError(f"a band of {rows} rows cannot provide a halo of {halo}")
+        if first.ndim == 5:
+            frames = sum(p.shape[2] for p in parts)
+            buffer = first.new_empty((*first.shape[:2], front + frames, rows + 2 * halo, width + 2 * w_pad))
+            if front:
+                buffer[:, :, :front].zero_()
+            body = buffer[:, :, front:]
+        else:
+            if len(parts) > 1 or front:
+                raise ValueError("only 5-D inputs (with a time dimension) can be joined or padded in time")
+            buffer = body = first.new_empty((*first.shape[:-2], rows + 2 * halo, width + 2 * w_pad))
+        if w_pad:
+            buffer[..., :w_pad].zero_()
+            buffer[..., -w_pad:].zero_()
+        inner = body[..., w_pad : w_pad + width]  # the real columns: halo rows + band rows + halo rows
+        start = 0
+        for part in parts:
+            target = inner[:, :, start : start + part.shape[2]] if first.ndim == 5 else inner
+            target[..., halo : halo + rows, :].copy_(part)
+            start += part.shape[2] if first.ndim == 5 else 0
+        ops, received = [], []
+        for neighbour, mine, theirs in (
+            (band.prev_rank, slice(halo, 2 * halo), slice(0, halo)),
+            (band.next_rank, slice(rows, rows + halo), slice(rows + halo, rows + 2 * halo)),
+        ):
+            if neighbour is None:
+                body[..., theirs, :].zero_()  # the true frame edge: zero padding, as on one rank
+                continue
+            incoming = torch.empty_like(inner[..., theirs, :])
             ops += [
-                dist.P2POp(dist.isend, x[..., :halo, :].contiguous(), band.prev_rank, band.group),
-                dist.P2POp(dist.irecv, top, band.prev_rank, band.group),
+                dist.P2POp(dist.isend, inner[..., mine, :].contiguous(), neighbour, band.group),
+                dist.P2POp(dist.irecv, incoming, neighbour, band.group),
             ]
-        if band.next_rank is not None:
-            ops += [
-                dist.P2POp(dist.isend, x[..., -halo:, :].contiguous(), band.next_rank, band.group),
-                dist.P2POp(dist.irecv, bottom, band.next_rank, band.group),
-            ]
+            received.append((theirs, incoming))
         for work in dist.batch_isend_irecv(ops):
             work.wait()
+        for rows_slice, incoming in received:
+            inner[..., rows_slice, :].copy_(incoming)
         self.counts["halo_exchange"] += 1
-        return torch.cat([top, x, bottom], dim=-2)
+        return buffer
 
     def gather_rows(self, x: torch.Tensor, dst: int | None = None) -> torch.Tensor | None:
         """The full frame from every rank's band (rows are dim -2): on every rank, or only on group rank `dst`."""

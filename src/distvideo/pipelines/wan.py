@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from distvideo import envs
 from distvideo.config import GenerationRequest
-from distvideo.models.cpu_kernels import use_onednn_conv3d
+from distvideo.models.cpu_kernels import use_cpu_kernels
 from distvideo.models.text_padding import TextPaddingPlan
 
 if TYPE_CHECKING:
@@ -70,9 +70,9 @@ class WanT2VPipeline:
         self.text_padding = TextPaddingPlan()
         if envs.get("DISTVIDEO_COMPACT_TEXT_PADDING"):
             self.text_padding.apply(self.transformer)
-        if envs.get("DISTVIDEO_ONEDNN_CONV3D"):  # CPU float32 only, decided per call (models/cpu_kernels.py)
-            use_onednn_conv3d(self.vae)
-            use_onednn_conv3d(self.transformer)
+        if envs.get("DISTVIDEO_CPU_KERNELS"):  # CPU tensors only, decided per call (models/cpu_kernels.py)
+            use_cpu_kernels(self.vae)
+            use_cpu_kernels(self.transformer)
         self.scheduler_config = components["scheduler"].config
         self.scheduler_cls = type(components["scheduler"])
         self.device = device
