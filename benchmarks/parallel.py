@@ -167,7 +167,7 @@ def run_paired(args: argparse.Namespace) -> dict[str, Any] | None:
     One denoising step (both CFG branches) at the benchmark shape: one rank (rank 1 waits), cfg=2 (a branch per rank
     + all-gather), distvideo sp=2 (Ulysses plan + text-projection memo, two forwards) and diffusers' Ulysses (two
     forwards); distvideo's transformers carry the text-padding plan, as the engine's do. One decode of the latents:
-    diffusers' decode on one rank, distvideo's (oneDNN 3D convolutions) on one rank, and distvideo's banded decode on
+    diffusers' decode on one rank, distvideo's (CPU kernels: oneDNN 3D convolutions, fast RMS norms) on one rank, and distvideo's banded decode on
     both ranks. Rank 0's CPU time is reported too: it does not count time spent waiting for a core that other
     processes hold.
     """
@@ -175,7 +175,7 @@ def run_paired(args: argparse.Namespace) -> dict[str, Any] | None:
     import torch.distributed as dist
     from diffusers import AutoencoderKLWan, ContextParallelConfig, WanTransformer3DModel
 
-    from distvideo.models.cpu_kernels import use_onednn_conv3d
+    from distvideo.models.cpu_kernels import use_cpu_kernels
     from distvideo.models.text_padding import TextPaddingPlan
     from distvideo.parallel.text_cache import memoize_text_projections
     from distvideo.parallel.ulysses import UlyssesPlan
@@ -194,7 +194,7 @@ def run_paired(args: argparse.Namespace) -> dict[str, Any] | None:
     theirs.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
     stock_vae = AutoencoderKLWan.from_pretrained(folder / "vae").eval()
     vae = AutoencoderKLWan.from_pretrained(folder / "vae").eval()
-    use_onednn_conv3d(vae)
+    use_cpu_kernels(vae)
     banded = BandedVaeDecoder(lambda size: dist.group.WORLD, rank, world).apply(vae)
 
     gen = torch.Generator("cpu").manual_seed(0)

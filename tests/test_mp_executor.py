@@ -221,6 +221,7 @@ def test_a_rank_failing_alone_mid_generation_does_not_wait_for_dist_timeout(mode
     with pytest.raises(RankFailure) as info:
         gen.generate("a cat", guidance_scale=5.0, **SMALL)
     took = time.monotonic() - start
+    print(f"FIGURE mp, rank 1 failing alone mid-generation: the driver raised {took:.1f} s after generate began")
     message = str(info.value)
     assert 5.0 <= took < 60, f"raised after {took:.1f} s: {message}"
     assert "rank 1: RuntimeError: planted failure in transformer call 2 on rank 1" in message, message
