@@ -206,26 +206,33 @@ class BandedVaeDecoder:
             buffer[..., :w_pad].zero_()
             buffer[..., -w_pad:].zero_()
         inner = body[..., w_pad : w_pad + width]  # the real columns: halo rows + band rows + halo rows
-        start = 0
-        for part in parts:
-            target = inner[:, :, start : start + part.shape[2]] if first.ndim == 5 else inner
-            target[..., halo : halo + rows, :].copy_(part)
-            start += part.shape[2] if first.ndim == 5 else 0
+
+        def edge_rows(rows_slice: slice) -> torch.Tensor:  # this band's rows `rows_slice` of every part, joined
+            pieces = [part[..., rows_slice, :] for part in parts]
+            return pieces[0].contiguous() if len(pieces) == 1 else torch.cat(pieces, dim=2)
+
+        # post the exchange first, straight from the inputs, so the messages travel while the buffer is filled
         ops, received = [], []
         for neighbour, mine, theirs in (
-            (band.prev_rank, slice(halo, 2 * halo), slice(0, halo)),
-            (band.next_rank, slice(rows, rows + halo), slice(rows + halo, rows + 2 * halo)),
+            (band.prev_rank, slice(0, halo), slice(0, halo)),
+            (band.next_rank, slice(rows - halo, rows), slice(rows + halo, rows + 2 * halo)),
         ):
             if neighbour is None:
                 body[..., theirs, :].zero_()  # the true frame edge: zero padding, as on one rank
                 continue
             incoming = torch.empty_like(inner[..., theirs, :])
             ops += [
-                dist.P2POp(dist.isend, inner[..., mine, :].contiguous(), neighbour, band.group),
+                dist.P2POp(dist.isend, edge_rows(mine), neighbour, band.group),
                 dist.P2POp(dist.irecv, incoming, neighbour, band.group),
             ]
             received.append((theirs, incoming))
-        for work in dist.batch_isend_irecv(ops):
+        works = dist.batch_isend_irecv(ops) if ops else []
+        start = 0
+        for part in parts:
+            target = inner[:, :, start : start + part.shape[2]] if first.ndim == 5 else inner
+            target[..., halo : halo + rows, :].copy_(part)
+            start += part.shape[2] if first.ndim == 5 else 0
+        for work in works:
             work.wait()
         for rows_slice, incoming in received:
             inner[..., rows_slice, :].copy_(incoming)
