@@ -233,6 +233,25 @@ def test_a_rank_failing_alone_mid_generation_does_not_wait_for_dist_timeout(mode
     gen.shutdown()
 
 
+def test_ctrl_c_delivered_to_another_thread_still_interrupts_a_call(model_path: str):
+    """The kernel may hand a process's SIGINT to any thread that does not block it (torch's OpenMP threads, say);
+    the main thread, blocked waiting for the workers, must still notice it soon and raise KeyboardInterrupt."""
+    gen = VideoGenerator.from_pretrained(model_path, num_gpus=1, executor="mp")
+    pids = gen.collective_rpc(pid_of)
+    sender = threading.Timer(1.0, lambda: signal.pthread_kill(threading.get_ident(), signal.SIGINT))
+    sender.start()  # the SIGINT lands on the timer's own thread, not on the main thread
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        gen.collective_rpc(sleep_then_answer, args=(60.0, "never"))
+    took = time.monotonic() - start
+    sender.join()
+    assert took < 10, f"the interrupt was noticed only after {took:.1f} s"
+    with pytest.raises(RuntimeError, match="executor is dead"):
+        gen.collective_rpc(rank_of)
+    assert wait_gone(pids, within=5) == []
+    gen.shutdown()
+
+
 def test_a_rank_failing_at_start_up_is_named(model_path: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     # Fault injection without a test hook in the library: the spawned workers inherit PYTHONPATH, so
     # this sitecustomize patches Worker.init_device in them (this process has already started).

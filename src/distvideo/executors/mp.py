@@ -69,6 +69,10 @@ STARTUP_FAILURE_GRACE_S = 1.5  # after a rank fails to start: how long the other
 #: execute_forward failed on some rank while others are still inside it: how long they get to answer before the
 #: driver concludes they are blocked in a collective the failed rank will never join (as SETTLE_S of external.py)
 FORWARD_FAILURE_SETTLE_S = 5.0
+#: The longest the driver blocks in one wait. A Ctrl-C that the kernel delivers to another thread of the driver
+#: (torch's OpenMP threads, for one) does not interrupt the main thread's poll; waking at least this often lets the
+#: main thread run the pending handler and raise KeyboardInterrupt.
+WAIT_SLICE_S = 0.5
 PARENT_POLL_S = 0.5
 
 
@@ -231,11 +235,13 @@ class MultiprocExecutor(Executor):
         first_failed: int | None = None
         grace_end: float | None = None
         while pending:
-            timeout = None if grace_end is None else max(0.0, grace_end - time.monotonic())
+            timeout = WAIT_SLICE_S if grace_end is None else max(0.0, min(WAIT_SLICE_S, grace_end - time.monotonic()))
             waitables: list[Any] = [self._conns[r] for r in pending] + [self._procs[r].sentinel for r in pending]
             ready = wait(waitables, timeout)
             if not ready:
-                break  # the grace period is over
+                if grace_end is not None and time.monotonic() >= grace_end:
+                    break  # the grace period is over
+                continue
             for rank in sorted(self._ranks_of(ready) & pending):
                 status = self._read_startup(rank)
                 if status is None:
@@ -391,7 +397,8 @@ class MultiprocExecutor(Executor):
             if settle_end is not None:
                 remaining = settle_end - now if remaining is None else min(remaining, settle_end - now)
             # like multiprocessing.connection.wait on pipes and sentinels, without a new selector per call
-            events = self._poller.poll(None if remaining is None else math.ceil(remaining * 1000))
+            wait_s = WAIT_SLICE_S if remaining is None else min(remaining, WAIT_SLICE_S)
+            events = self._poller.poll(math.ceil(wait_s * 1000))
             died = []
             for fd, _ in events:  # answers first: a worker may answer and then exit
                 is_pipe, rank = self._fd_owner[fd]
