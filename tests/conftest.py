@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -58,3 +59,18 @@ def read_video(path: str | Path):
         codec, pix_fmt = stream.codec_context.name, stream.codec_context.pix_fmt
         frames = [f.to_ndarray(format="rgb24") for f in container.decode(stream)]
     return np.stack(frames), codec, pix_fmt
+
+
+def _signal_state() -> tuple[object, object, frozenset[int]]:
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, []) if hasattr(signal, "pthread_sigmask") else set()
+    return signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM), frozenset(mask)
+
+
+@pytest.fixture(autouse=True)
+def _signals_left_as_found():
+    """Every test leaves the stop signals' handlers and the main thread's signal mask as it found them: a blocked or
+    ignored SIGINT leaks into every process the test run starts afterwards (both survive exec)."""
+    before = _signal_state()
+    yield
+    after = _signal_state()
+    assert after == before, f"the test changed the signal state (SIGINT, SIGTERM handlers, mask): {before} -> {after}"

@@ -238,13 +238,19 @@ def test_ctrl_c_delivered_to_another_thread_still_interrupts_a_call(model_path: 
     the main thread, blocked waiting for the workers, must still notice it soon and raise KeyboardInterrupt."""
     gen = VideoGenerator.from_pretrained(model_path, num_gpus=1, executor="mp")
     pids = gen.collective_rpc(pid_of)
+    # Python's own Ctrl-C handler, as in a program started from a terminal (a test run started in the background by
+    # a non-interactive shell inherits SIGINT ignored)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     sender = threading.Timer(1.0, lambda: signal.pthread_kill(threading.get_ident(), signal.SIGINT))
-    sender.start()  # the SIGINT lands on the timer's own thread, not on the main thread
-    start = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        gen.collective_rpc(sleep_then_answer, args=(60.0, "never"))
-    took = time.monotonic() - start
-    sender.join()
+    try:
+        sender.start()  # the SIGINT lands on the timer's own thread, not on the main thread
+        start = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            gen.collective_rpc(sleep_then_answer, args=(60.0, "never"))
+        took = time.monotonic() - start
+        sender.join()
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert took < 10, f"the interrupt was noticed only after {took:.1f} s"
     with pytest.raises(RuntimeError, match="executor is dead"):
         gen.collective_rpc(rank_of)
@@ -305,9 +311,13 @@ def test_shutdown_is_idempotent_and_leaves_no_process(shared: SharedGenerator):
 # --- the driver's own fate ----------------------------------------------------------------------
 DRIVER = textwrap.dedent(
     """
-    import json, os, sys, time
+    import json, os, signal, sys, time
 
     from distvideo import VideoGenerator
+
+    # Python's Ctrl-C handler, as in a program started from a terminal: a test run started in the background by a
+    # non-interactive shell hands its children SIGINT ignored, and Python then installs no handler of its own
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def sleep_long(worker):
         time.sleep(120)
