@@ -46,11 +46,11 @@ def set_lora_adapter(
         checked, invalid = check_arguments(nickname, path, strength, accumulate), None
     except LoraError as exc:
         checked, invalid = None, exc
+    if checked is not None:
+        nickname, resolved, strength, accumulate = checked
     # Paths may differ per rank (node-local copies); what must agree is the call, whether its arguments were valid
     # (so arguments refused on one rank only are refused on every rank, none left waiting in a collective), and
     # (checked below) the bytes read.
-    if checked is not None:
-        nickname, resolved, strength, accumulate = checked
     executor.ensure_consistent(
         "set_lora_adapter",
         {

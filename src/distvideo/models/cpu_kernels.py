@@ -3,19 +3,16 @@
 **3D convolutions through oneDNN.** PyTorch picks oneDNN (mkldnn) for a CPU convolution only past a size heuristic
 that, for 5-D inputs, multiplies batch x channels x frames x rows. The Wan VAE decodes one latent frame at a time
 (plus a two-frame causal cache), so its 3x3x3 convolutions stay under the threshold and fall back to the generic
-im2col kernel (``slow_conv3d_forward``), which took 86% of a CPU decode in a profile. Calling oneDNN directly for
-those convolutions gives the same result up to float summation order (max abs difference 5e-6 on the decoded
-video, at most 1 on uint8 frames) and measured 0.26x the decode time (docs/BENCHMARKS.md).
-
-Applied as a patch of each ``nn.Conv3d``'s ``_conv_forward`` (which ``nn.Conv3d.forward`` calls, and so does every
-wrapper that pads first, such as diffusers' ``WanCausalConv3d`` or our banded decode); the returned undo removes it.
+im2col kernel (``slow_conv3d_forward``). Calling oneDNN directly for those convolutions gives the same result up to
+float summation order. Applied as a patch of each ``nn.Conv3d``'s ``_conv_forward`` (which ``nn.Conv3d.forward``
+calls, and so does every wrapper that pads first, such as diffusers' ``WanCausalConv3d`` or our banded decode); the
+returned undo removes it.
 
 **Channel RMS norms without ``F.normalize``.** The VAE's ``WanRMS_norm`` normalises every pixel over its channels
-with ``F.normalize(x, dim=1)``, a strided vector-norm reduction that took 21% of a oneDNN-convolution decode. The
-same value computed as ``x * rsqrt(max(sum(x * x, dim=1), eps^2))`` runs 5-8x faster on CPU (max abs difference
-2e-6 on unit-scale activations).
+with ``F.normalize(x, dim=1)``, a strided vector-norm reduction; ``x * rsqrt(max(sum(x * x, dim=1), eps^2))`` is the
+same value, computed faster on CPU.
 
-:func:`use_cpu_kernels` applies both.
+:func:`use_cpu_kernels` applies both; docs/performance.md has the measured effect (``benchmarks/kernels.py``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Cross-attention over a padded text without computing the padding: an exact reformulation, applied as a plan.
 
 Wan pads every text embedding to 512 tokens with zero rows, and its cross-attention attends to all 512 keys. A
-short prompt ("a red fox running through snow": about 8 tokens) thus spends almost all of each cross-attention, and
+short prompt (a few dozen tokens at most) thus spends almost all of each cross-attention, and
 of the text projections, on identical padding keys. Identical keys with identical values are one key counted r
 times:
 
@@ -16,7 +16,7 @@ and the weighted sum of the values is the same. So the plan
   (so no low-precision rounding of the bias).
 
 The frames equal the uncompacted ones up to float rounding (the parity tests check them against diffusers'
-WanPipeline, max abs difference 2 on uint8; measured 0-1). Image-conditioned models (Wan I2V: ``add_k_proj``) are
+WanPipeline, max abs difference 2 on uint8). Image-conditioned models (Wan I2V: ``add_k_proj``) are
 left alone. The compacted input tensor is cached on the identity of the original one, so a request's embeddings
 keep one identity across steps (the SP text-projection memo relies on it).
 """
@@ -24,11 +24,12 @@ keep one identity across steps (the SP text-projection memo relies on it).
 from __future__ import annotations
 
 import math
-import weakref
 from collections import Counter
 from typing import Any
 
 import torch
+
+from distvideo.models.identity_cache import IdentityCache
 
 #: compact only when at most this fraction of the rows would remain (below it the saving is not worth a processor)
 MAX_KEPT_FRACTION = 0.5
@@ -88,7 +89,7 @@ class TextPaddingPlan:
         self.copies = 1
         self._handles: list[Any] = []
         self._processors: list[tuple[Any, Any]] = []
-        self._cache: list[tuple[weakref.ref[torch.Tensor], int, torch.Tensor, int]] = []
+        self._cache = IdentityCache(entries=2)  # the two CFG branches' texts
 
     def apply(self, transformer: Any) -> TextPaddingPlan:
         if any(block.attn2.add_k_proj is not None for block in transformer.blocks):
@@ -109,22 +110,22 @@ class TextPaddingPlan:
             handle.remove()
         for attn, original in self._processors:
             attn.set_processor(original)
-        self._handles, self._processors, self._cache = [], [], []
+        self._handles, self._processors = [], []
+        self._cache.clear()
         self.copies = 1
 
     def compact(self, embeds: torch.Tensor) -> tuple[torch.Tensor, int]:
         """(embeddings to use, padding copies the last row stands for); cached on the tensor's identity."""
-        for ref, version, out, copies in self._cache:
-            if ref() is embeds and embeds._version == version:
-                return out, copies
+        cached = self._cache.get(embeds)
+        if cached is not None:
+            return cached
         run = trailing_run(embeds)
         seq = embeds.shape[1]
         if run < 2 or (seq - run + 1) > MAX_KEPT_FRACTION * seq:
             out, copies = embeds, 1
         else:
             out, copies = embeds[:, : seq - run + 1], run
-        if not embeds.is_inference():
-            self._cache = [(weakref.ref(embeds), embeds._version, out, copies), *self._cache[:1]]
+        self._cache.put(embeds, (out, copies))
         return out, copies
 
     def _on_model_input(

@@ -3,7 +3,7 @@
 Each rank runs one branch of every step; one all-gather over its CFG pair brings the other branch, so every rank
 holds both predictions, applies the same guidance and the same scheduler step, and the latents stay identical
 everywhere. (Without CFG parallelism the branches run one after the other, as on one rank: batching them into one
-forward halves the collectives per step but measured no faster and doubles the activations; see docs/parallel.md.)
+forward would halve the collectives per step but doubles the activations; see docs/parallel.md.)
 """
 
 from __future__ import annotations

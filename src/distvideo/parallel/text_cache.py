@@ -10,13 +10,14 @@ new embedding tensors, so nothing stale is ever reused. Two entries per module c
 
 from __future__ import annotations
 
-import weakref
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
+
+from distvideo.models.identity_cache import IdentityCache
 
 ENTRIES = 2  # conditional and unconditional text
 
@@ -27,26 +28,25 @@ class InputMemo:
     def __init__(self, module: nn.Module, counts: Counter[str] | None = None, entries: int = ENTRIES):
         self.module = module
         self.counts = counts if counts is not None else Counter()
-        self.entries = entries
-        self._cache: list[tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = []
+        self._cache = IdentityCache(entries)
         original: Callable[..., Any] = module.forward
 
         def forward(x: Any, *args: Any, **kwargs: Any) -> Any:
-            if args or kwargs or not isinstance(x, torch.Tensor) or torch.is_grad_enabled() or x.is_inference():
+            if args or kwargs or not isinstance(x, torch.Tensor) or torch.is_grad_enabled():
                 return original(x, *args, **kwargs)
-            for ref, version, out in self._cache:
-                if ref() is x and x._version == version:
-                    self.counts["text_projection_reused"] += 1
-                    return out
+            out = self._cache.get(x)
+            if out is not None:
+                self.counts["text_projection_reused"] += 1
+                return out
             out = original(x)
-            self._cache = [(weakref.ref(x), x._version, out), *self._cache[: self.entries - 1]]
+            self._cache.put(x, out)
             return out
 
         module.forward = forward  # type: ignore[method-assign]
 
     def remove(self) -> None:
         del self.module.forward
-        self._cache = []
+        self._cache.clear()
 
 
 def memoize_text_projections(transformer: Any, counts: Counter[str] | None = None) -> list[InputMemo]:
