@@ -481,10 +481,11 @@ def test_a_stop_signal_ends_the_cli_while_it_is_blocked_in_native_code():
 
 def test_mp_executor_worker_death_and_sigterm(tmp_path):
     """The mp executor, one driver process: (1) rank 1 is SIGKILLed in the middle of a generation: the driver raises
-    an error naming it and tears rank 0 down; (2) `distvideo generate --executor mp --num-gpus 2`, mid-denoising:
+    an error naming it and tears rank 0 down, and nothing of theirs stays in /dev/shm; (2) `distvideo generate --executor mp --num-gpus 2`, mid-denoising:
     SIGTERM to the driver stops it and both workers within 10 s (exit code 143), leaving no process and no video."""
     argv = [str(SCRIPT), str(tmp_path), "mp_faults", *SLOW_GENERATE, "--output", str(tmp_path / "video.mp4")]
     argv += ["--executor", "mp", "--num-gpus", "2"]
+    shm_before = set(os.listdir("/dev/shm"))
     running = Running([python_executable(), *argv], launcher_env({"FAULT_SLOW_TRANSFORMER_S": "0.05"}))
     running.wait_for(lambda lines: any(line.startswith("died ") for line in lines), 180)
     lines = running.text().splitlines()
@@ -505,6 +506,9 @@ def test_mp_executor_worker_death_and_sigterm(tmp_path):
     assert len(result["procs"]) >= 2, "the driver's two workers (and multiprocessing's resource tracker)"
     assert result["alive"] == [] and result["stopped_s"] < 10, text
     assert [p.name for p in tmp_path.iterdir()] == []
+    # a SIGKILLed worker leaves nothing behind: no named semaphore or shared-memory segment, so no warning at exit
+    assert "resource_tracker" not in text and "leaked" not in text, text
+    assert set(os.listdir("/dev/shm")) - shm_before == set()
 
 
 if __name__ == "__main__":

@@ -1,11 +1,15 @@
-"""Output paths and atomic MP4 writing."""
+"""Output paths, atomic MP4 writing, the exact colour conversion and byte-identical encoding."""
 
 from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
-from distvideo.media import resolve_output_path, sanitize_prompt, write_video
+from distvideo.media import resolve_output_path, rgb_to_yuv420p, sanitize_prompt, write_video
 
 from conftest import read_video
 
@@ -85,3 +89,143 @@ def test_killed_while_encoding_leaves_nothing(tmp_path):
     proc.wait(timeout=30)
     time.sleep(0.1)
     assert list(tmp_path.iterdir()) == []
+
+
+# --- colour conversion ------------------------------------------------------------------------------------------------
+def bt709_limited_reference(rgb: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """BT.709 limited range in floating point, from the standard's definition (chroma averaged over 2x2 blocks)."""
+    r, g, b = (rgb[..., i].astype(np.float64) / 255 for i in range(3))
+    kr, kb = 0.2126, 0.0722
+    ey = kr * r + (1 - kr - kb) * g + kb * b
+    h, w = ey.shape
+    cb = 128 + 224 * (b - ey) / (2 * (1 - kb))
+    cr = 128 + 224 * (r - ey) / (2 * (1 - kr))
+
+    def pool(plane):
+        return plane.reshape(h // 2, 2, w // 2, 2).mean(axis=(1, 3))
+
+    return 16 + 219 * ey, pool(cb), pool(cr)
+
+
+def split_planes(yuv: np.ndarray, h: int, w: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    flat = yuv.reshape(-1)
+    q = (h // 2) * (w // 2)
+    return (
+        flat[: h * w].reshape(h, w),
+        flat[h * w : h * w + q].reshape(h // 2, w // 2),
+        flat[h * w + q :].reshape(h // 2, w // 2),
+    )
+
+
+def test_rgb_to_yuv_is_bt709_limited_range_rounded():
+    rng = np.random.default_rng(3)
+    rgb = rng.integers(0, 256, size=(48, 64, 3), dtype=np.uint8)
+    got = split_planes(rgb_to_yuv420p(rgb), 48, 64)
+    for plane, ref in zip(got, bt709_limited_reference(rgb), strict=True):
+        # fixed-point coefficients (2**-16) put the result within a hair of the rounded exact value
+        assert np.abs(plane.astype(np.float64) - ref).max() < 0.51
+    grey = np.full((4, 4, 3), 77, np.uint8)
+    _, cb, cr = split_planes(rgb_to_yuv420p(grey), 4, 4)
+    assert (cb == 128).all() and (cr == 128).all()
+    black, white = (split_planes(rgb_to_yuv420p(np.full((2, 2, 3), v, np.uint8)), 2, 2)[0] for v in (0, 255))
+    assert (black == 16).all() and (white == 235).all()
+
+
+def test_conversion_does_not_depend_on_the_memory_layout():
+    rng = np.random.default_rng(4)
+    planar = rng.integers(0, 256, size=(3, 32, 48), dtype=np.uint8)  # the pipeline's channel-first layout
+    view = planar.transpose(1, 2, 0)
+    assert not view.flags["C_CONTIGUOUS"]
+    assert np.array_equal(rgb_to_yuv420p(view), rgb_to_yuv420p(np.ascontiguousarray(view)))
+
+
+def test_stream_is_tagged_as_encoded_and_decodes_to_the_same_colours(tmp_path):
+    """Players convert with the stream's tags: decoding with them gives the colours back (within the codec's loss),
+    while a player assuming BT.601 would shift saturated colours by 20 levels and more."""
+    import av
+
+    colours = [(255, 0, 0), (0, 255, 0), (0, 0, 255), (255, 255, 0), (200, 50, 120), (255, 255, 255), (0, 0, 0)]
+    image = np.zeros((64, 16 * len(colours), 3), np.uint8)
+    for i, colour in enumerate(colours):
+        image[:, 16 * i : 16 * (i + 1)] = colour
+    path = write_video(np.stack([image] * 3), tmp_path / "colours.mp4", fps=8)
+    with av.open(str(path)) as container:
+        context = container.streams.video[0].codec_context
+        assert (context.colorspace, context.color_primaries, context.color_trc, context.color_range) == (1, 1, 1, 1)
+        decoded = next(container.decode(video=0)).to_ndarray(format="rgb24")
+    centres = decoded[32, 8::16].astype(int)
+    assert np.abs(centres - np.array(colours)).max() <= 3
+
+
+# --- byte-identical files ---------------------------------------------------------------------------------------------
+ENCODE_IN_A_FRESH_PROCESS = r"""
+import ctypes, hashlib, io, sys, threading
+import numpy as np
+from distvideo.media import _encode_mp4
+
+pattern, layout, paths = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+
+
+SIZES = [64, 512, 4096, 65536, 200000, 1 << 20] * 4
+
+
+def fill_freed_heap():  # freed heap memory holds `pattern`: what an encoder reads uninitialised now differs per process
+    blocks = [libc.malloc(n) for n in SIZES]
+    for block, n in zip(blocks, SIZES):
+        ctypes.memset(block, pattern, n)
+    for block in blocks:
+        libc.free(block)
+
+
+stop = threading.Event()
+def allocate():  # other threads allocating and freeing while the encoder runs (ctypes calls release the GIL)
+    while not stop.is_set():
+        fill_freed_heap()
+threads = [threading.Thread(target=allocate) for _ in range(2)]
+for t in threads:
+    t.start()
+for path in paths:
+    frames = np.load(path).transpose(0, 2, 3, 1)  # the pipeline's channel-first output, as the view it hands over
+    if layout == "contiguous":
+        frames = np.ascontiguousarray(frames)
+    fill_freed_heap()
+    buf = io.BytesIO()
+    _encode_mp4(frames, buf, 16)
+    print(hashlib.sha256(buf.getvalue()).hexdigest())
+stop.set()
+for t in threads:
+    t.join()
+"""
+
+
+def test_the_same_frames_give_the_same_bytes_in_every_process(tmp_path):
+    """The way it failed (x264's MB-tree reading uninitialised memory on AVX-512 CPUs): several processes, each with a
+    different heap content and threads allocating meanwhile, encode the same frames from both memory layouts, at
+    sizes where the old encoder settings gave a different file per heap content on such a CPU."""
+    rng = np.random.default_rng(5)
+    paths = []
+    for t, h, w in [(5, 32, 48), (17, 96, 160), (9, 240, 416)]:
+        ramp = np.linspace(0, 255, w)[None, None, :]
+        planar = np.stack([np.roll(rng.integers(0, 80, (3, h, w)) + ramp, 2 * i, axis=2) for i in range(t)])
+        paths.append(tmp_path / f"{t}x{h}x{w}.npy")
+        np.save(paths[-1], planar.clip(0, 255).astype(np.uint8))
+    outputs = []
+    for pattern, layout in [(0x00, "view"), (0xFF, "view"), (0x55, "contiguous"), (0xFF, "contiguous")]:
+        proc = subprocess.run(
+            [sys.executable, "-c", ENCODE_IN_A_FRESH_PROCESS, str(pattern), layout, *map(str, paths)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr
+        outputs.append(proc.stdout.split())
+    for i, path in enumerate(paths):
+        assert len({digests[i] for digests in outputs}) == 1, (path.name, [digests[i] for digests in outputs])
+
+
+def test_write_video_gives_the_same_file_twice(tmp_path):
+    first = write_video(frames(), tmp_path / "a.mp4")
+    second = write_video(frames().copy(order="F"), tmp_path / "b.mp4")
+    assert hashlib.sha256(first.read_bytes()).digest() == hashlib.sha256(second.read_bytes()).digest()

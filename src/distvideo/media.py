@@ -1,4 +1,4 @@
-"""Video files: choosing the output path and writing MP4 (H.264, yuv420p) atomically.
+"""Video files: choosing the output path and writing MP4 (H.264, yuv420p, BT.709) atomically and reproducibly.
 
 A video is encoded into a file that has no name yet (Linux O_TMPFILE; elsewhere a hidden temporary
 file) in the target folder and linked into place only when complete, so a crash, even SIGKILL, never
@@ -52,16 +52,83 @@ def _first_free(target: Path) -> Path:
         n += 1
 
 
+# --- encoding -------------------------------------------------------------------------------------------------------
+# The same frames must give the same bytes in every process, on every executor and machine with the same library
+# versions. Two things stood in the way, both fixed here by construction:
+#  * x264's MB-tree rate control, on CPUs with AVX-512, reads memory the encoder never initialised, so the bitstream
+#    depended on what the heap held before (measured: the same frames, encoded after filling freed heap memory with
+#    0x00 and with 0xFF, gave two different files at 48x32, 96x160 and 480x832; with MB-tree off, or with x264 limited
+#    to AVX2, the files were identical). MB-tree is therefore off (`mbtree=0`); it costs a few percent of bitrate.
+#  * x264's output depends on its thread count, which by default follows the machine's cores: it is fixed.
+# The RGB -> YUV conversion is ours, in integers (BT.709, limited range, 2x2 box-filtered chroma), so it does not
+# depend on swscale's version or SIMD path either, and the stream is tagged to match so players show the model's
+# colours.
+X264_OPTIONS = {"crf": "18", "preset": "medium", "x264-params": "mbtree=0"}
+X264_THREADS = 4  # fixed: the bitstream depends on it; 4 frame threads keep large videos quick on most machines
+BT709 = 1  # AVCOL_PRI_BT709 == AVCOL_TRC_BT709 == AVCOL_SPC_BT709 in FFmpeg
+LIMITED_RANGE = 1  # AVCOL_RANGE_MPEG: Y in 16..235, Cb/Cr in 16..240
+
+_FRACTION_BITS = 16  # fixed-point precision of the conversion coefficients
+_KR, _KB = 0.2126, 0.0722  # BT.709 luma weights of red and blue
+
+
+def _fixed(values: tuple[float, float, float]) -> np.ndarray:
+    return np.array([round(v * (1 << _FRACTION_BITS)) for v in values], dtype=np.int32)
+
+
+def _bt709_limited_coefficients() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Integer (R, G, B) weights of Y, Cb and Cr, in units of 2**-16, from BT.709's definition:
+    Y = 16 + 219 * E'y, Cb = 128 + 224 * (E'b - E'y) / (2 (1 - Kb)), Cr = 128 + 224 * (E'r - E'y) / (2 (1 - Kr)),
+    with E' = code / 255. The chroma weights of green are adjusted so each row sums to exactly zero, so every grey
+    gives Cb = Cr = 128 exactly."""
+    kg = 1.0 - _KR - _KB
+    y = _fixed((219 / 255 * _KR, 219 / 255 * kg, 219 / 255 * _KB))
+    cb_scale, cr_scale = 224 / 255 / (2 * (1 - _KB)), 224 / 255 / (2 * (1 - _KR))
+    cb = _fixed((-_KR * cb_scale, -kg * cb_scale, (1 - _KB) * cb_scale))
+    cr = _fixed(((1 - _KR) * cr_scale, -kg * cr_scale, -_KB * cr_scale))
+    cb[1] = -(cb[0] + cb[2])
+    cr[1] = -(cr[0] + cr[2])
+    return y, cb, cr
+
+
+_Y_WEIGHTS, _CB_WEIGHTS, _CR_WEIGHTS = _bt709_limited_coefficients()
+
+
+def rgb_to_yuv420p(frame: np.ndarray) -> np.ndarray:
+    """One uint8 RGB frame (H, W, 3), any strides, as yuv420p planes stacked the way PyAV takes them: a (3H/2, W) uint8
+    array holding Y (H x W), then Cb and Cr (H/2 x W/2 each). BT.709, limited range, in exact integer arithmetic
+    (rounded to nearest); chroma is the rounded mean of each 2x2 block. H and W must be even."""
+    h, w, _ = frame.shape
+    rgb = frame.astype(np.int32)
+    one_half = 1 << (_FRACTION_BITS - 1)
+    y = (rgb @ _Y_WEIGHTS + ((16 << _FRACTION_BITS) + one_half)) >> _FRACTION_BITS
+    planes = [y.astype(np.uint8).reshape(-1)]
+    # Sum the full-resolution chroma of each 2x2 block first (exact), then divide by 4 and round once.
+    for weights in (_CB_WEIGHTS, _CR_WEIGHTS):
+        full = rgb @ weights
+        block = full[0::2, 0::2] + full[0::2, 1::2] + full[1::2, 0::2] + full[1::2, 1::2]
+        shift = _FRACTION_BITS + 2
+        chroma = (block + ((128 << shift) + (1 << (shift - 1)))) >> shift
+        planes.append(chroma.astype(np.uint8).reshape(-1))
+    return np.concatenate(planes).reshape(h * 3 // 2, w)
+
+
 def _encode_mp4(frames: np.ndarray, file: BinaryIO, fps: int) -> None:
-    """H.264 in MP4, yuv420p (plays in browsers), with PyAV into a seekable file object."""
+    """H.264 in MP4, yuv420p BT.709 limited range (plays in browsers), with PyAV into a seekable file object; the
+    same frames give the same bytes (see the notes above)."""
     import av
 
     t, h, w, _ = frames.shape
     with av.open(file, mode="w", format="mp4") as container:
-        stream = container.add_stream("libx264", rate=fps, options={"crf": "18", "preset": "medium"})
+        stream = container.add_stream("libx264", rate=fps, options=dict(X264_OPTIONS))
         stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
+        context = stream.codec_context
+        context.thread_count = X264_THREADS
+        context.color_range = LIMITED_RANGE
+        context.colorspace = context.color_primaries = context.color_trc = BT709
         for i in range(t):
-            frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(frames[i]), format="rgb24")
+            frame = av.VideoFrame.from_ndarray(rgb_to_yuv420p(frames[i]), format="yuv420p")
+            frame.color_range, frame.colorspace = LIMITED_RANGE, BT709
             container.mux(stream.encode(frame))
         container.mux(stream.encode(None))
 

@@ -597,9 +597,15 @@ def _worker_main(
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked at spawn; ignored from now on
     _detach_stdin()
 
+    from tqdm import tqdm
+
     from distvideo.logging_utils import configure_logging, set_log_rank
     from distvideo.worker import RankInfo, Worker
 
+    # tqdm's default lock includes a named POSIX semaphore (for bars shared between processes). A worker that is
+    # SIGKILLed cannot unlink it, and the resource tracker then warns about leaked semaphores when the driver exits.
+    # A worker's bars are its own: a lock local to the process is enough.
+    tqdm.set_lock(threading.RLock())
     set_log_rank(rank)
     configure_logging()
     rank_info = RankInfo(
