@@ -107,7 +107,8 @@ def external_rank(args: argparse.Namespace) -> None:
 def resolve_model(model: str | None, scratch: Path) -> str:
     if model:
         return model
-    from distvideo.models.tiny import build_embedded_model, embedded_model_path
+    from distvideo.models.embedded import embedded_model_path
+    from distvideo.testing.checkpoints import build_embedded_model
 
     try:
         return str(embedded_model_path())

@@ -47,7 +47,7 @@ def main() -> None:
 
     from distvideo.models.cpu_kernels import use_cpu_kernels
     from distvideo.models.text_padding import TextPaddingPlan
-    from distvideo.models.tiny import build_benchmark_checkpoint
+    from distvideo.testing.checkpoints import build_benchmark_checkpoint
 
     torch.set_num_threads(1)
     folder = Path(tempfile.gettempdir()) / "distvideo-benchmark-checkpoint"

@@ -398,7 +398,7 @@ def report_paired(paired: dict[str, Any], args: argparse.Namespace, load: float)
 
 def ensure_checkpoint(path: Path) -> Path:
     if not (path / "model_index.json").is_file():
-        from distvideo.models.tiny import build_benchmark_checkpoint
+        from distvideo.testing.checkpoints import build_benchmark_checkpoint
 
         build_benchmark_checkpoint(path)
     return path

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Regenerate the embedded tiny Wan model shipped in src/distvideo/assets/tiny-wan.
 
-Deletes the folder and rebuilds it with random weights from fixed seeds (see distvideo.models.tiny); running it twice
+Deletes the folder and rebuilds it with random weights from fixed seeds (see distvideo.testing.checkpoints); running it twice
 gives byte-identical files. Prints every file's size and sha256 and the total size.
 
     python scripts/make_embedded_model.py [--out DIR]
@@ -20,7 +20,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Always the repository's own package, so the shipped copy under src/ is the one regenerated (not an installed one).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
-from distvideo.models.tiny import EMBEDDED_MODEL_DIR, build_embedded_model
+from distvideo.models.embedded import EMBEDDED_MODEL_DIR
+from distvideo.testing.checkpoints import build_embedded_model
 
 SIZE_LIMIT = 1_000_000
 

@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="session")
 def embedded_model() -> Path:
-    from distvideo.models.tiny import embedded_model_path
+    from distvideo.models.embedded import embedded_model_path
 
     return embedded_model_path()
 
@@ -24,7 +24,7 @@ def embedded_model() -> Path:
 @pytest.fixture(scope="session")
 def test_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """4 transformer layers, UniPC scheduler (the real Wan2.1 scheduler config)."""
-    from distvideo.models.tiny import build_test_checkpoint
+    from distvideo.testing.checkpoints import build_test_checkpoint
 
     return build_test_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-wan-4l")
 

@@ -196,8 +196,8 @@ LAUNCHER_REPORTS = {
 
 @pytest.fixture(scope="module")
 def lora_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from distvideo.lora.testing import build_random_lora
-    from distvideo.models.tiny import embedded_model_path
+    from distvideo.models.embedded import embedded_model_path
+    from distvideo.testing.lora_files import build_random_lora
 
     return build_random_lora(embedded_model_path(), tmp_path_factory.mktemp("lora") / "style.safetensors")
 

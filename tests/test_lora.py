@@ -2,7 +2,7 @@
 weights unchanged, the CLI, and the same behaviour on the mp executor and under torchrun with sp=2.
 
 Test LoRA files are random low-rank weights for the embedded tiny model, written in every key layout by
-distvideo.lora.testing. One inline generator serves most tests (loading one costs seconds on 2 cores).
+distvideo.testing.lora_files. One inline generator serves most tests (loading one costs seconds on 2 cores).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from distvideo.config import LoraSpec
 from distvideo.lora import LoraError, read_lora_file
 from distvideo.lora.formats import diffusers_layer_name, parse_lora_state_dict
 from distvideo.lora.rank import describe, transformer_digest
-from distvideo.lora.testing import LAYOUTS, random_lora_layers, save_lora_file, wan_layer_name
 from distvideo.media import write_video
+from distvideo.testing.lora_files import LAYOUTS, random_lora_layers, save_lora_file, wan_layer_name
 
 from conftest import REPO, max_abs_diff
 from launchers import format_output, run_launcher

@@ -26,7 +26,8 @@ import pytest
 from distvideo import VideoGenerator
 from distvideo.config import GenerationRequest
 from distvideo.executors.base import RankFailure
-from distvideo.models.tiny import build_embedded_model, embedded_model_path
+from distvideo.models.embedded import embedded_model_path
+from distvideo.testing.checkpoints import build_embedded_model
 
 pytestmark = pytest.mark.slow
 

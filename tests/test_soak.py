@@ -94,7 +94,7 @@ def test_200_generations_keep_memory_files_and_threads_level(gen: VideoGenerator
 
 def test_50_lora_set_and_clear_cycles_keep_memory_files_and_threads_level(gen: VideoGenerator, tmp_path: Path):
     from distvideo.lora.rank import transformer_digest
-    from distvideo.lora.testing import build_random_lora
+    from distvideo.testing.lora_files import build_random_lora
 
     files = [build_random_lora(gen.model_info.path, tmp_path / f"style{k}.safetensors", seed=k) for k in range(2)]
     base = gen.collective_rpc(transformer_digest)

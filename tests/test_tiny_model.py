@@ -13,13 +13,8 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from distvideo.models.tiny import (
-    EMBEDDED_DEFAULTS,
-    EMBEDDED_MODEL_DIR,
-    build_embedded_model,
-    build_tiny_wan,
-    embedded_model_path,
-)
+from distvideo.models.embedded import EMBEDDED_MODEL_DIR, embedded_model_path
+from distvideo.testing.checkpoints import EMBEDDED_DEFAULTS, build_embedded_model, build_tiny_wan
 
 COMPONENTS = ("scheduler", "text_encoder", "tokenizer", "transformer", "vae")
 # Written by the libraries into configs; they change with the installed version, not with the model.

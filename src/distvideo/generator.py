@@ -36,7 +36,7 @@ class GenerationResult:
 
 
 def embedded_model_path() -> Path:
-    from distvideo.models.tiny import embedded_model_path as path
+    from distvideo.models.embedded import embedded_model_path as path
 
     return path()
 

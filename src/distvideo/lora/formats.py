@@ -47,10 +47,17 @@ _SUFFIXES = (
     (".alpha", "alpha"),
 )
 
-_WAN_ATTENTION = {"q": "to_q", "k": "to_k", "v": "to_v", "o": "to_out.0", "k_img": "add_k_proj", "v_img": "add_v_proj"}
+WAN_ATTENTION_NAMES = {
+    "q": "to_q",
+    "k": "to_k",
+    "v": "to_v",
+    "o": "to_out.0",
+    "k_img": "add_k_proj",
+    "v_img": "add_v_proj",
+}
 _WAN_BLOCK_ATTENTION = re.compile(r"blocks\.(\d+)\.(self_attn|cross_attn)\.(q|k|v|o|k_img|v_img)")
 _WAN_BLOCK_FFN = re.compile(r"blocks\.(\d+)\.ffn\.(0|2)")
-_WAN_FIXED = {
+WAN_FIXED_NAMES = {
     "head.head": "proj_out",
     "time_projection.1": "condition_embedder.time_proj",
     "text_embedding.0": "condition_embedder.text_embedder.linear_1",
@@ -111,11 +118,11 @@ def diffusers_layer_name(name: str) -> str:
     m = _WAN_BLOCK_ATTENTION.fullmatch(name)
     if m:
         attn = "attn1" if m[2] == "self_attn" else "attn2"
-        return f"blocks.{m[1]}.{attn}.{_WAN_ATTENTION[m[3]]}"
+        return f"blocks.{m[1]}.{attn}.{WAN_ATTENTION_NAMES[m[3]]}"
     m = _WAN_BLOCK_FFN.fullmatch(name)
     if m:
         return f"blocks.{m[1]}.ffn.{'net.0.proj' if m[2] == '0' else 'net.2'}"
-    return _WAN_FIXED.get(name, name)
+    return WAN_FIXED_NAMES.get(name, name)
 
 
 def _musubi_to_wan(name: str) -> str:

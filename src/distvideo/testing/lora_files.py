@@ -13,29 +13,17 @@ from pathlib import Path
 
 import torch
 
+from distvideo.lora.formats import WAN_ATTENTION_NAMES, WAN_FIXED_NAMES
+
 LAYOUTS = ("diffusers", "diffusers-bare", "wan", "musubi")
 
 # the inverse of formats.diffusers_layer_name for the block layers (enough to write test files)
-_TO_WAN_ATTENTION = {
-    "to_q": "q",
-    "to_k": "k",
-    "to_v": "v",
-    "to_out.0": "o",
-    "add_k_proj": "k_img",
-    "add_v_proj": "v_img",
-}
+_TO_WAN_ATTENTION = {diffusers: wan for wan, diffusers in WAN_ATTENTION_NAMES.items()}
 _DIFFUSERS_BLOCK_ATTENTION = re.compile(
-    r"blocks\.(\d+)\.(attn1|attn2)\.(to_q|to_k|to_v|to_out\.0|add_k_proj|add_v_proj)"
+    r"blocks\.(\d+)\.(attn1|attn2)\.(" + "|".join(re.escape(n) for n in _TO_WAN_ATTENTION) + ")"
 )
 _DIFFUSERS_BLOCK_FFN = re.compile(r"blocks\.(\d+)\.ffn\.(net\.0\.proj|net\.2)")
-_TO_WAN_FIXED = {
-    "proj_out": "head.head",
-    "condition_embedder.time_proj": "time_projection.1",
-    "condition_embedder.text_embedder.linear_1": "text_embedding.0",
-    "condition_embedder.text_embedder.linear_2": "text_embedding.2",
-    "condition_embedder.time_embedder.linear_1": "time_embedding.0",
-    "condition_embedder.time_embedder.linear_2": "time_embedding.2",
-}
+_TO_WAN_FIXED = {diffusers: wan for wan, diffusers in WAN_FIXED_NAMES.items()}
 
 
 def wan_layer_name(name: str) -> str:

@@ -1,0 +1,2 @@
+"""Builders of random-weight checkpoints and LoRA files for tests, benchmarks and scripts. Nothing at run time imports
+this package."""
