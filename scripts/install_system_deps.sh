@@ -1,20 +1,31 @@
 #!/usr/bin/env bash
-# System packages the launcher tests need: Slurm (srun, with munge) and Open MPI (mpirun).
-# Installs them with apt-get when missing and running as root; otherwise says what to run.
+# System packages the test suite needs: Slurm (srun, with munge), Open MPI (mpirun), MPICH beside it
+# (mpiexec.mpich; Debian keeps `mpirun` pointing at Open MPI, priority 50 against MPICH's 40) and bindfs
+# (a FUSE filesystem without O_TMPFILE, for the atomic video writer's fallback path).
+# Installs what is missing with apt-get when running as root; otherwise exits 1 naming what to install:
+# `make test` must not go on to skip or fail those tests one by one.
 set -euo pipefail
+have() { command -v "$1" >/dev/null 2>&1 || [ -x "/usr/sbin/$1" ] || [ -x "/usr/bin/$1" ]; }
 need=()
-command -v srun >/dev/null 2>&1 || need+=(slurm-wlm)
-command -v munged >/dev/null 2>&1 || [ -x /usr/sbin/munged ] || need+=(munge)
-command -v mpirun >/dev/null 2>&1 || need+=(openmpi-bin)
+have srun || need+=(slurm-wlm)
+have slurmctld || need+=(slurmctld)
+have slurmd || need+=(slurmd)
+have munged || need+=(munge)
+have mpirun.openmpi || need+=(openmpi-bin)
+have mpiexec.mpich || need+=(mpich)
+have bindfs || need+=(bindfs)
 if [ ${#need[@]} -eq 0 ]; then
     exit 0
 fi
-if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
-    echo "installing system packages: ${need[*]}"
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq
-    apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
-else
-    echo "missing system packages for launcher tests: ${need[*]}" >&2
-    echo "install them with: sudo apt-get install -y ${need[*]}" >&2
+if [ "$(id -u)" != "0" ] || ! command -v apt-get >/dev/null 2>&1; then
+    echo "missing system packages for the test suite: ${need[*]}" >&2
+    echo "install them with: sudo apt-get install -y --no-install-recommends ${need[*]}" >&2
+    exit 1
 fi
+echo "installing system packages: ${need[*]}"
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq
+apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+for tool in srun slurmctld slurmd munged mpirun.openmpi mpiexec.mpich bindfs; do
+    have "$tool" || { echo "apt-get installed ${need[*]} but $tool is still missing" >&2; exit 1; }
+done

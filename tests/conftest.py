@@ -1,9 +1,11 @@
-"""Shared fixtures: small random-weight checkpoints built by the repo's own builder (nothing is downloaded)."""
+"""Shared fixtures and the suite's rules: small random-weight checkpoints built by the repo's own builder (nothing is
+downloaded); no test may skip unless it needs a GPU; the local Slurm this session started is stopped at its end."""
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,56 @@ os.environ.setdefault("DISTVIDEO_NO_PROGRESS", "1")
 
 REPO = Path(__file__).resolve().parent.parent
 
+ONLY_GPU_MAY_SKIP = (
+    "only tests marked `gpu` may skip in this suite; a test the machine cannot run fails instead: install what the "
+    "reason names (make setup; make system-deps, as root)"
+)
 
+
+# --- the skip rule --------------------------------------------------------------------------------------------------
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        for item in gpu_items:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU; this machine has none"))
+
+
+def _skip_reason(report: pytest.CollectReport | pytest.TestReport) -> str:
+    longrepr = report.longrepr
+    return longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """A skip of a test not marked `gpu` (a missing launcher, package or tool; an importorskip) is a failure."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and not hasattr(report, "wasxfail") and not item.get_closest_marker("gpu"):
+        report.outcome = "failed"
+        report.longrepr = f"skipped: {_skip_reason(report)}\n{ONLY_GPU_MAY_SKIP}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector):
+    """The same for a whole module skipped while it is collected (a module-level skip or importorskip)."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped:
+        report.outcome = "failed"
+        report.longrepr = f"module skipped: {_skip_reason(report)}\n{ONLY_GPU_MAY_SKIP}"
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    launchers = sys.modules.get("launchers")
+    if launchers is not None:
+        launchers.stop_local_slurm()
+
+
+# --- models ---------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="session")
 def embedded_model() -> Path:
     from distvideo.models.embedded import embedded_model_path
@@ -29,15 +80,44 @@ def test_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_test_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-wan-4l")
 
 
-def diffusers_frames(model: Path, prompt: str, **kwargs) -> np.ndarray:  # noqa: F821
-    """diffusers' WanPipeline frames as uint8 (output_type='np', times 255, rounded)."""
-    import numpy as np
-    import torch
+@pytest.fixture
+def no_weights_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tripwire: loading model weights in this process fails the test. Replaces distvideo's `load_components` in
+    every module that holds it (wherever the engine calls it from), so a request that had to be refused before any
+    loading cannot get that far unnoticed. `test_api.py::test_the_load_tripwire_catches_a_load` checks it fires."""
+    from distvideo.models import loading
+
+    original = loading.load_components
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("model weights were loaded for input that had to be refused before any loading")
+
+    patched = []
+    for name, module in list(sys.modules.items()):
+        if name.startswith("distvideo") and getattr(module, "load_components", None) is original:
+            monkeypatch.setattr(module, "load_components", refuse)
+            patched.append(name)
+    assert "distvideo.models.loading" in patched, patched
+
+
+# --- references and comparisons -------------------------------------------------------------------------------------
+def diffusers_pipeline(model: Path):
+    """diffusers' own WanPipeline for a checkpoint folder (the reference every parity test compares with)."""
     from diffusers import WanPipeline
 
-    seed = kwargs.pop("seed", 0)
     pipe = WanPipeline.from_pretrained(str(model))
     pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def diffusers_frames(model_or_pipe, prompt: str, **kwargs) -> np.ndarray:  # noqa: F821
+    """diffusers' WanPipeline frames as uint8 (output_type='np', times 255, rounded); `model_or_pipe` is a checkpoint
+    folder or a pipeline from `diffusers_pipeline` (e.g. with LoRA adapters set)."""
+    import numpy as np
+    import torch
+
+    pipe = diffusers_pipeline(model_or_pipe) if isinstance(model_or_pipe, (str, Path)) else model_or_pipe
+    seed = kwargs.pop("seed", 0)
     out = pipe(prompt, generator=torch.Generator("cpu").manual_seed(seed), output_type="np", **kwargs).frames[0]
     return np.round(out * 255).astype(np.uint8)
 
@@ -61,6 +141,7 @@ def read_video(path: str | Path):
     return np.stack(frames), codec, pix_fmt
 
 
+# --- hygiene --------------------------------------------------------------------------------------------------------
 def _signal_state() -> tuple[object, object, frozenset[int]]:
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, []) if hasattr(signal, "pthread_sigmask") else set()
     return signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM), frozenset(mask)

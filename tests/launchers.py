@@ -1,4 +1,4 @@
-"""Run test programs under real launchers (torchrun, srun, mpirun) on CPU.
+"""Run test programs under real launchers (torchrun, srun, Open MPI's mpirun, MPICH's mpiexec) on CPU.
 
 Usage from a test module (tests/ is on sys.path, so ``from launchers import ...`` works; importing the
 ``local_slurm`` fixture into a module registers it there)::
@@ -13,9 +13,11 @@ Usage from a test module (tests/ is on sys.path, so ``from launchers import ...`
         proc = run_launcher("srun", [str(script), "--flag"], nproc=2, env={"FOO": "1"}, check=True)
         assert "..." in proc.stdout
 
-``run_launcher`` skips the test when the launcher is not installed (fails instead when ``CI`` is set),
-starts the local Slurm when needed, picks a free MASTER_PORT, and kills everything it started when the
-timeout expires, then fails the test with the output captured so far.
+``run_launcher`` fails the test, naming what to install, when the launcher is missing (never a skip); starts
+this session's private two-node Slurm when needed (stopped when the session ends); lets torchrun pick its own
+free port (``--standalone``); and kills everything it started when the timeout expires, then fails the test with
+the output captured so far. srun ranks get no MASTER_ADDR/MASTER_PORT: the product derives them from the node
+list and the job id, as on a real cluster. mpirun and mpiexec ranks get them (MPI has no rendezvous of its own).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import psutil
@@ -43,19 +45,22 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 START_SLURM_SCRIPT = REPO_ROOT / "scripts" / "slurm" / "start_local_slurm.sh"
 STOP_SLURM_SCRIPT = REPO_ROOT / "scripts" / "slurm" / "stop_local_slurm.sh"
 
-LAUNCHERS = ("torchrun", "srun", "mpirun")
+LAUNCHERS = ("torchrun", "srun", "mpirun", "mpich")
 
 LAUNCHER_INSTALL = {
     "torchrun": "pip install torch  (or: bash scripts/setup_venv.sh)",
-    "srun": "apt-get install -y slurm-wlm munge",
-    "mpirun": "apt-get install -y openmpi-bin",
+    "srun": "apt-get install -y slurm-wlm munge  (or: make system-deps)",
+    "mpirun": "apt-get install -y openmpi-bin  (or: make system-deps)",
+    "mpich": "apt-get install -y mpich  (or: make system-deps)",
 }
 
-# Programs each launcher needs on this machine (srun also needs the daemons of the local Slurm).
+# Programs each launcher needs on this machine (srun also needs the daemons of the local Slurm). Open MPI and MPICH
+# are called by their own names: both install a `mpirun`, and Debian's alternatives decide which one that is.
 _LAUNCHER_PROGRAMS = {
     "torchrun": (),
-    "srun": ("srun", "sinfo", "scontrol", "scancel", "slurmctld", "slurmd", "munged", "munge"),
-    "mpirun": ("mpirun",),
+    "srun": ("srun", "sinfo", "scontrol", "scancel", "slurmctld", "slurmd", "munged", "munge", "mungekey"),
+    "mpirun": ("mpirun.openmpi",),
+    "mpich": ("mpiexec.mpich",),
 }
 
 # Variables set by an enclosing launcher or job; inheriting them would confuse the children.
@@ -76,13 +81,12 @@ _INHERITED_DROP_EXACT = frozenset(
         "MPI_LOCALNRANKS",
     }
 )
-_INHERITED_DROP_PREFIXES = ("TORCHELASTIC_", "SLURM_", "OMPI_", "PMIX_", "PMI_")
+_INHERITED_DROP_PREFIXES = ("TORCHELASTIC_", "SLURM_", "OMPI_", "PMIX_", "PMI_", "HYDRA_", "HYDI_")
 _INHERITED_KEEP_PREFIXES = ("OMPI_MCA_", "OMPI_ALLOW_RUN_AS_ROOT")
 
-DEFAULT_CHILD_ENV = {
-    "OMP_NUM_THREADS": "1",
-    "MKL_NUM_THREADS": "1",
-}
+# Nothing forced by default: in particular not OMP_NUM_THREADS, so the product's own thread policy per rank (cores on
+# the node / ranks on the node, unless the user set it) is what the launched ranks run with.
+DEFAULT_CHILD_ENV: dict[str, str] = {}
 
 # Dropped from the inherited environment unless the caller passes them: with PYTHONUNBUFFERED every
 # print() is two write() calls (text, then newline), so the lines of different ranks interleave mid-line
@@ -92,11 +96,6 @@ _INHERITED_DROP_OUTPUT = frozenset({"PYTHONUNBUFFERED"})
 
 class LauncherTimeout(AssertionError):
     """Raised (as a test failure) when a launched command runs past its timeout."""
-
-
-def in_ci() -> bool:
-    """True when the ``CI`` environment variable is set to something other than false/0/empty."""
-    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 def _which(program: str) -> str | None:
@@ -119,18 +118,18 @@ def missing_programs(name: str) -> list[str]:
 
 
 def require_launcher(name: str) -> None:
-    """Skip the test when launcher ``name`` is missing, or fail it when running in CI (``CI`` set)."""
+    """Fail the test, naming what to install, when launcher ``name`` is missing (the suite never skips it)."""
     missing = missing_programs(name)
-    if not missing:
-        return
-    msg = f"{name} not available (missing: {', '.join(missing)}); install with: {LAUNCHER_INSTALL[name]}"
-    if in_ci():
-        pytest.fail(msg, pytrace=False)
-    pytest.skip(msg)
+    if missing:
+        pytest.fail(
+            f"{name} not available (missing: {', '.join(missing)}); install with: {LAUNCHER_INSTALL[name]}",
+            pytrace=False,
+        )
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (bind to port 0, then release it)."""
+    """A TCP port on 127.0.0.1 that was free a moment ago (bind to port 0, then release it). Another process may take
+    it before the caller's rank binds it: callers retry such a launch (``port_was_taken``)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -159,7 +158,7 @@ def torchrun_command() -> list[str]:
 def _mpirun_version() -> tuple[int, ...]:
     try:
         out = subprocess.run(
-            ["mpirun", "--version"], capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL
+            ["mpirun.openmpi", "--version"], capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL
         ).stdout
     except (OSError, subprocess.SubprocessError):
         return ()
@@ -177,29 +176,32 @@ def _mpirun_shared_memory_btl() -> str:
 # Local Slurm
 # ----------------------------------------------------------------------------------------------------------
 
+SLURM_NODES = ("distvideo-n1", "distvideo-n2")  # the two emulated nodes of the local Slurm (both on this host)
+
 _slurm_state: dict[str, object] = {}
 
 
-def _slurm_failed(message: str) -> None:
-    if os.geteuid() != 0 and not in_ci():
-        pytest.skip(f"local Slurm not running and starting it needs root (sudo bash {START_SLURM_SCRIPT}):\n{message}")
-    pytest.fail(message, pytrace=False)
-
-
 def start_local_slurm(timeout: float = 120) -> dict[str, str]:
-    """Start (once per process) the single-node Slurm and return the env additions srun needs.
+    """Start (once per process) this session's private two-node Slurm and return the env additions srun needs.
 
-    Fails the test (with the daemon logs) when it cannot be started; outside CI a non-root user whose
-    Slurm is not already running gets a skip instead (starting it needs root). A failure is remembered, so
-    later tests fail at once instead of waiting again.
+    The cluster lives in a directory of its own (``DISTVIDEO_SLURM_DIR`` when the user set it, else a new one from
+    mkdtemp) with ports chosen free, so another test session on the machine, with its own Slurm, is not disturbed;
+    ``stop_local_slurm`` (called when the session ends) stops the daemons this process started and removes the
+    directory it created. Fails the test (with the daemon logs) when the cluster cannot be started, e.g. without
+    root; a failure is remembered, so later tests fail at once instead of waiting again.
     """
     if "env" in _slurm_state:
         return dict(_slurm_state["env"])  # type: ignore[call-overload]
     if "error" in _slurm_state:
-        _slurm_failed(str(_slurm_state["error"]))
+        pytest.fail(str(_slurm_state["error"]), pytrace=False)
     require_launcher("srun")
     env = _base_env()
+    given = os.environ.get("DISTVIDEO_SLURM_DIR")
+    directory = given or tempfile.mkdtemp(prefix="distvideo-slurm-")
+    env["DISTVIDEO_SLURM_DIR"] = directory
     started = time.monotonic()
+    _slurm_state["dir"] = directory
+    _slurm_state["remove_dir"] = not given
     try:
         proc = subprocess.run(
             ["bash", str(START_SLURM_SCRIPT)],
@@ -211,13 +213,15 @@ def start_local_slurm(timeout: float = 120) -> dict[str, str]:
         )
     except subprocess.TimeoutExpired as exc:
         _slurm_state["error"] = f"{START_SLURM_SCRIPT} timed out after {timeout}s\n{_decode(exc.stderr)}"
-        _slurm_failed(str(_slurm_state["error"]))
+        pytest.fail(str(_slurm_state["error"]), pytrace=False)
+    # what it started (all of it, unless it found the user's cluster already running) is ours to stop
+    _slurm_state["started_here"] = "already running" not in proc.stderr
     if proc.returncode != 0:
         _slurm_state["error"] = (
-            f"{START_SLURM_SCRIPT} failed (rc={proc.returncode})\n--- stdout ---\n{proc.stdout}\n--- stderr ---\n"
-            f"{proc.stderr}"
+            f"{START_SLURM_SCRIPT} failed (rc={proc.returncode}); it needs root and: {LAUNCHER_INSTALL['srun']}\n"
+            f"--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}"
         )
-        _slurm_failed(str(_slurm_state["error"]))
+        pytest.fail(str(_slurm_state["error"]), pytrace=False)
     additions: dict[str, str] = {}
     for line in proc.stdout.splitlines():
         key, sep, value = line.strip().partition("=")
@@ -230,9 +234,25 @@ def start_local_slurm(timeout: float = 120) -> dict[str, str]:
     return dict(additions)
 
 
+def stop_local_slurm() -> None:
+    """Stop the daemons ``start_local_slurm`` started in this process and remove the directory it created."""
+    directory = _slurm_state.get("dir")
+    if directory is None:
+        return
+    if _slurm_state.get("started_here", True):
+        args = ["--remove"] if _slurm_state.get("remove_dir") else []
+        subprocess.run(
+            ["bash", str(STOP_SLURM_SCRIPT), *args, str(directory)],
+            capture_output=True,
+            timeout=120,
+            stdin=subprocess.DEVNULL,
+        )
+    _slurm_state.clear()
+
+
 @pytest.fixture(scope="session")
 def local_slurm() -> dict[str, str]:
-    """Session fixture: the local single-node Slurm is up; returns env additions for srun (SLURM_CONF)."""
+    """Session fixture: the private two-node Slurm is up; returns env additions for srun (SLURM_CONF)."""
     return start_local_slurm()
 
 
@@ -312,6 +332,7 @@ def run_command(
     cwd: str | os.PathLike | None = None,
     on_timeout=None,
     check: bool = False,
+    timeout_from: Callable[[], bool] | None = None,
 ) -> subprocess.CompletedProcess:
     """Run ``cmd`` in its own session with stdout/stderr captured (text), never hanging past ``timeout``.
 
@@ -319,6 +340,8 @@ def run_command(
     us. On timeout ``on_timeout()`` is called (e.g. scancel), the process group and all descendants are
     killed, and the test fails with the output captured so far. Leftovers in the process group are killed
     after a normal exit too. With ``check`` a non-zero return code fails the test with the output.
+    ``timeout_from``: the timeout counts from the moment this returns True (polled), e.g. once every rank is up;
+    until then only a hang detector of 300 s applies.
     """
     cmd = [str(c) for c in cmd]
     with tempfile.TemporaryFile() as out_f, tempfile.TemporaryFile() as err_f:
@@ -333,6 +356,12 @@ def run_command(
         )
         timed_out = False
         try:
+            if timeout_from is not None:
+                hang = time.monotonic() + max(timeout, 300)
+                while not timeout_from() and proc.poll() is None:
+                    if time.monotonic() > hang:
+                        raise subprocess.TimeoutExpired(cmd, timeout)
+                    time.sleep(0.05)
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             timed_out = True
@@ -367,7 +396,7 @@ def build_launch(
     env: Mapping[str, str] | None = None,
     *,
     python: bool = True,
-    master_port: int | None = None,
+    nodes: int = 1,
     kill_on_bad_exit: bool = False,
     timeout: float = 300,
     job_name: str | None = None,
@@ -376,30 +405,32 @@ def build_launch(
     """Command line and environment that run ``argv`` as ``nproc`` ranks under ``launcher``.
 
     ``argv`` is ``[script.py, args...]``, ``["-m", module, args...]`` or ``["-c", code, args...]``, run with the
-    test interpreter, or, with ``python=False``, an executable and its arguments (see ``console_script``). For srun the caller
-    must have started the local Slurm (``start_local_slurm``) and passed its env additions in ``env``.
-    ``launcher_args`` are inserted right after the launcher's own options.
+    test interpreter, or, with ``python=False``, an executable and its arguments (see ``console_script``). For srun the
+    caller must have started the local Slurm (``start_local_slurm``) and passed its env additions in ``env``; ``nodes``
+    (srun only) spreads the ranks over that many emulated nodes, ``nproc / nodes`` per node. mpirun and mpiexec get a
+    MASTER_PORT that was free a moment ago (rank 0 binds it); the callers retry a launch whose rank 0 found it taken
+    (``port_was_taken``). ``launcher_args`` are inserted right after the launcher's own options.
     """
     if launcher not in LAUNCHERS:
         raise ValueError(f"unknown launcher {launcher!r}; expected one of {LAUNCHERS}")
+    if nodes != 1 and launcher != "srun":
+        raise ValueError(f"nodes={nodes}: only srun spreads ranks over several (emulated) nodes")
+    if nproc % nodes:
+        raise ValueError(f"nproc={nproc} does not split evenly over {nodes} nodes")
     argv = [str(a) for a in argv]
     if not argv:
         raise ValueError("argv is empty")
-    port = master_port if master_port is not None else free_port()
     child_env = launcher_env(env)
     program = argv if not python else [python_executable(), *argv]
 
     if launcher == "torchrun":
+        # --standalone: the agent binds its store on a free port itself and hands it to the ranks (no port of ours
+        # chosen, released and bound again later)
         cmd = [
             *torchrun_command(),
-            "--nnodes",
-            "1",
+            "--standalone",
             "--nproc-per-node",
             str(nproc),
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            str(port),
             "--local-addr",
             "127.0.0.1",
             "--max-restarts",
@@ -414,19 +445,20 @@ def build_launch(
             cmd += argv
         return cmd, child_env
 
-    # srun and mpirun do not set MASTER_ADDR/PORT; the emulated node names would not resolve anyway.
-    child_env.setdefault("MASTER_ADDR", "127.0.0.1")
-    child_env.setdefault("MASTER_PORT", str(port))
-
     if launcher == "srun":
+        # no MASTER_ADDR/MASTER_PORT: derived by the product from the node list and the job id (the nodes resolve)
+        for name in ("MASTER_ADDR", "MASTER_PORT"):
+            if env is None or name not in env:
+                child_env.pop(name, None)
         minutes = max(1, math.ceil(timeout / 60) + 1)
         cmd = [
             "srun",
             "--overcommit",
             "-N",
-            "1",
+            str(nodes),
             "-n",
             str(nproc),
+            f"--ntasks-per-node={nproc // nodes}",
             "--mpi=none",
             "--export=ALL",
             f"--job-name={job_name or 'distvideo-test'}",
@@ -437,11 +469,19 @@ def build_launch(
         ]
         return cmd, child_env
 
-    # mpirun: forward PATH/PYTHONPATH/LD_LIBRARY_PATH, the rendezvous and everything the test passed.
+    # MPI has no rendezvous of its own: the ranks get one (what a user's job script exports)
+    child_env.setdefault("MASTER_ADDR", "127.0.0.1")
+    child_env.setdefault("MASTER_PORT", str(free_port()))
+    if launcher == "mpich":
+        # Hydra passes the whole environment by default
+        cmd = ["mpiexec.mpich", "-n", str(nproc), "-bind-to", "none", *launcher_args, *program]
+        return cmd, child_env
+
+    # Open MPI: forward PATH/PYTHONPATH/LD_LIBRARY_PATH, the rendezvous and everything the test passed.
     exported = ["PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "HOME", "MASTER_ADDR", "MASTER_PORT", *DEFAULT_CHILD_ENV]
     exported += ["GLOO_SOCKET_IFNAME", *(env or {})]
     cmd = [
-        "mpirun",
+        "mpirun.openmpi",
         "--allow-run-as-root",
         "--oversubscribe",
         "--bind-to",
@@ -464,6 +504,15 @@ def build_launch(
     return cmd, child_env
 
 
+_PORT_TAKEN = re.compile(r"address already in use|EADDRINUSE|errno 98\b", re.IGNORECASE)
+
+
+def port_was_taken(output: str) -> bool:
+    """Whether a launch's output says a rank could not bind its rendezvous port (another process took it between
+    ``free_port`` and the bind): such a launch is retried with a new port, not counted as the product's failure."""
+    return bool(_PORT_TAKEN.search(output))
+
+
 def run_launcher(
     launcher: str,
     argv: Sequence[str],
@@ -473,17 +522,20 @@ def run_launcher(
     cwd: str | os.PathLike | None = None,
     *,
     python: bool = True,
+    nodes: int = 1,
     kill_on_bad_exit: bool = False,
     check: bool = False,
     launcher_args: Sequence[str] = (),
+    timeout_from: Callable[[], bool] | None = None,
 ) -> subprocess.CompletedProcess:
-    """Launch ``argv`` as ``nproc`` ranks under ``launcher`` ("torchrun", "srun" or "mpirun") and wait.
+    """Launch ``argv`` as ``nproc`` ranks under ``launcher`` ("torchrun", "srun", "mpirun" or "mpich") and wait.
 
-    Returns the CompletedProcess (text stdout/stderr of all ranks together). Skips/fails via
-    ``require_launcher`` when the launcher is missing; starts the local Slurm for srun. On timeout the
-    launcher and every rank are killed and ``LauncherTimeout`` (an AssertionError) is raised with the
-    output. ``check=True`` fails the test on a non-zero return code. ``python=False`` runs ``argv[0]`` as
-    an executable (torchrun ``--no-python``); ``kill_on_bad_exit`` is srun's ``--kill-on-bad-exit``.
+    Returns the CompletedProcess (text stdout/stderr of all ranks together). Fails the test via ``require_launcher``
+    when the launcher is missing; starts the local Slurm for srun. On timeout the launcher and every rank are killed
+    and ``LauncherTimeout`` (an AssertionError) is raised with the output. ``check=True`` fails the test on a non-zero
+    return code. ``python=False`` runs ``argv[0]`` as an executable (torchrun ``--no-python``); ``kill_on_bad_exit``
+    is srun's ``--kill-on-bad-exit``. An MPI launch whose rank 0 found its MASTER_PORT taken is started again with a
+    new port (up to 3 times).
     """
     require_launcher(launcher)
     env = dict(env or {})
@@ -504,18 +556,28 @@ def run_launcher(
                 stdin=subprocess.DEVNULL,
             )
 
-    cmd, child_env = build_launch(
-        launcher,
-        argv,
-        nproc,
-        env,
-        python=python,
-        kill_on_bad_exit=kill_on_bad_exit,
-        timeout=timeout,
-        job_name=job_name,
-        launcher_args=launcher_args,
-    )
-    return run_command(cmd, env=child_env, timeout=timeout, cwd=cwd, on_timeout=on_timeout, check=check)
+    for attempt in range(3):
+        cmd, child_env = build_launch(
+            launcher,
+            argv,
+            nproc,
+            env,
+            python=python,
+            nodes=nodes,
+            kill_on_bad_exit=kill_on_bad_exit,
+            timeout=timeout,
+            job_name=job_name,
+            launcher_args=launcher_args,
+        )
+        proc = run_command(
+            cmd, env=child_env, timeout=timeout, cwd=cwd, on_timeout=on_timeout, timeout_from=timeout_from
+        )
+        retry = launcher in ("mpirun", "mpich") and "MASTER_PORT" not in env and attempt < 2
+        if not (retry and proc.returncode != 0 and port_was_taken(proc.stdout + proc.stderr)):
+            break
+    if check and proc.returncode != 0:
+        pytest.fail(f"launch failed\n{format_output(proc)}", pytrace=False)
+    return proc
 
 
 __all__ = [
@@ -523,6 +585,7 @@ __all__ = [
     "LAUNCHERS",
     "LAUNCHER_INSTALL",
     "REPO_ROOT",
+    "SLURM_NODES",
     "START_SLURM_SCRIPT",
     "STOP_SLURM_SCRIPT",
     "LauncherTimeout",
@@ -530,14 +593,15 @@ __all__ = [
     "console_script",
     "format_output",
     "free_port",
-    "in_ci",
     "launcher_env",
     "local_slurm",
     "missing_programs",
+    "port_was_taken",
     "python_executable",
     "require_launcher",
     "run_command",
     "run_launcher",
     "start_local_slurm",
+    "stop_local_slurm",
     "torchrun_command",
 ]

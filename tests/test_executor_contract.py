@@ -13,10 +13,10 @@ import numpy as np
 import psutil
 import pytest
 
-from contract_checks import PROMPT, REQUEST, expected_failure_text, observe
 from distvideo import VideoGenerator
 
 from conftest import REPO
+from contract_checks import PROMPT, REQUEST, expected_failure_text, observe
 from launchers import format_output, run_launcher
 
 

@@ -1,41 +1,63 @@
 #!/usr/bin/env bash
-# Start a single-node Slurm on this machine for the launcher tests (srun -n N on CPU).
+# Start a private two-node Slurm on this machine for the launcher tests (srun -N 2 on CPU).
 #
-# Idempotent: when our daemons are already up and `srun -n 1 true` works it returns at once.
-# Needs root (munged runs as the munge user; slurmctld and slurmd run as root) and Debian's
-# slurm-wlm + munge (scripts/install_system_deps.sh installs them).
+# Two emulated nodes, distvideo-n1 and distvideo-n2, both on this host: one slurmctld, one slurmd per node
+# (`slurmd -N NAME`, each on its own port: Debian's slurm-wlm 22.05 runs several slurmd on one host this way)
+# and a munged of its own (its own key and socket, so stopping it never touches another Slurm on the machine).
+# The node names must resolve for ranks that derive MASTER_ADDR from the node list: when they do not, a line
+# "127.0.0.1 distvideo-n1 distvideo-n2" is appended to /etc/hosts.
 #
-# Everything lives under $DISTVIDEO_SLURM_DIR (default /tmp/distvideo-slurm):
+# Needs root (slurmctld and slurmd run as root, SlurmUser=root) and Debian's slurm-wlm + munge
+# (scripts/install_system_deps.sh installs them).
+#
+# Everything lives in $DISTVIDEO_SLURM_DIR; when unset, a new private directory is created with mktemp. When the
+# directory holds a running cluster of ours that answers `srun true`, the script returns at once (idempotent).
 #   etc/slurm.conf   the configuration; every Slurm command needs SLURM_CONF=<that path>
-#   log/             slurmctld.log, slurmd.log (+ .stderr of the daemon start), munged.log
-#   state/ spool/    slurmctld state and slurmd spool
-#   env              "SLURM_CONF=..." line, for `source` or tests
-# On success the last stdout line is "SLURM_CONF=<path>". On failure the daemon logs are printed
-# to stderr and the exit status is non-zero.
-#
-# Environment knobs: DISTVIDEO_SLURM_DIR, DISTVIDEO_SLURM_CTLD_PORT (6817), DISTVIDEO_SLURM_D_PORT
-# (6818), DISTVIDEO_SLURM_TIMEOUT (seconds to wait for the node, 30), DISTVIDEO_SLURM_HOST (controller
-# and node name; default the short hostname, "localhost" when that is not a plain name).
+#   log/             slurmctld.log, slurmd-<node>.log, munged.log (+ .stderr of each daemon start)
+#   munge/           munge.key, munge.sock, munged.pid
+#   env              "SLURM_CONF=..." line, for `source`
+# Ports: DISTVIDEO_SLURM_CTLD_PORT and DISTVIDEO_SLURM_D_PORTS ("P1,P2"); by default free ports are chosen (bound
+# to port 0 and released), and a start that finds one taken meanwhile is retried with new ones. The first job id
+# is random (FirstJobId), so two such clusters on one machine rarely derive the same MASTER_PORT from a job id.
+# On success stdout ends with "DISTVIDEO_SLURM_DIR=<dir>" and "SLURM_CONF=<path>"; on failure the daemon logs go to
+# stderr and the exit status is non-zero. scripts/slurm/stop_local_slurm.sh stops the daemons of one directory.
+# DISTVIDEO_SLURM_TIMEOUT: seconds to wait for the nodes (30).
 set -euo pipefail
 
-DIR=${DISTVIDEO_SLURM_DIR:-/tmp/distvideo-slurm}
-CTLD_PORT=${DISTVIDEO_SLURM_CTLD_PORT:-6817}
-D_PORT=${DISTVIDEO_SLURM_D_PORT:-6818}
 TIMEOUT=${DISTVIDEO_SLURM_TIMEOUT:-30}
-CONF=$DIR/etc/slurm.conf
-LOG=$DIR/log
-export SLURM_CONF=$CONF
+NODES=(distvideo-n1 distvideo-n2)
+NODELIST="distvideo-n[1-2]"
 # Environment of an enclosing job would confuse our srun/sinfo.
 unset SLURM_JOB_ID SLURM_JOBID SLURM_STEP_ID SLURM_STEPID SLURM_NODELIST SLURM_JOB_NODELIST SLURM_CONF_SERVER 2>/dev/null || true
 
 log() { echo "[start_local_slurm] $*" >&2; }
 
+if [ -n "${DISTVIDEO_SLURM_DIR:-}" ]; then
+    DIR=$DISTVIDEO_SLURM_DIR
+    if [ ! -e "$DIR" ]; then
+        mkdir -m 755 -p "$DIR"
+    fi
+else
+    DIR=$(mktemp -d "${TMPDIR:-/tmp}/distvideo-slurm.XXXXXXXX")
+    chmod 755 "$DIR" # the daemons run as root; srun users must reach etc/ and the munge socket
+fi
+# a directory someone else planted (or a symlink to one) must not be used as root
+if [ -L "$DIR" ] || [ ! -d "$DIR" ] || [ ! -O "$DIR" ]; then
+    log "ERROR: $DIR is not a directory owned by $(id -un) (or is a symlink)"
+    exit 1
+fi
+DIR=$(cd "$DIR" && pwd -P)
+CONF=$DIR/etc/slurm.conf
+LOG=$DIR/log
+MUNGE=$DIR/munge
+export SLURM_CONF=$CONF
+
 dump_logs() {
     local f
-    for f in "$LOG"/munged.log "$LOG"/slurmctld.stderr "$LOG"/slurmctld.log "$LOG"/slurmd.stderr "$LOG"/slurmd.log; do
+    for f in "$LOG"/*.stderr "$LOG"/munged.log "$LOG"/slurmctld.log "$LOG"/slurmd-*.log; do
         if [ -s "$f" ]; then
-            echo "----- $f (last 60 lines) -----" >&2
-            tail -n 60 "$f" >&2 || true
+            echo "----- $f (last 40 lines) -----" >&2
+            tail -n 40 "$f" >&2 || true
         fi
     done
     echo "----- sinfo -----" >&2
@@ -48,7 +70,7 @@ die() {
     exit 1
 }
 
-proc_running() { # pid; a zombie (not yet reaped by pid 1) counts as gone
+proc_running() { # pid; a zombie (not yet reaped) counts as gone
     local st
     st=$(sed 's/.*) //' "/proc/$1/stat" 2>/dev/null | cut -d' ' -f1) || return 1
     [ -n "$st" ] && [ "$st" != Z ] && [ "$st" != X ]
@@ -61,12 +83,29 @@ pid_alive() { # pidfile
     [[ $pid =~ ^[0-9]+$ ]] && proc_running "$pid"
 }
 
-# The controller answering on our port is ours (not another instance using the same port).
-our_ctld() {
-    timeout 10 scontrol show config 2>/dev/null | grep -Eq "^StateSaveLocation += $DIR/state\$"
+stop_pid() { # pidfile name: signal the pid only while it still is that daemon (pids get reused)
+    local pid
+    [ -s "$1" ] || return 0
+    pid=$(cat "$1" 2>/dev/null || true)
+    if [[ $pid =~ ^[0-9]+$ ]] && [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$2" ]; then
+        kill -TERM "$pid" 2>/dev/null || true
+        for _ in $(seq 1 50); do
+            proc_running "$pid" || break
+            sleep 0.1
+        done
+        kill -KILL "$pid" 2>/dev/null || true
+    fi
+    rm -f "$1"
 }
 
-for bin in srun sinfo scontrol; do
+stop_daemons() {
+    local node
+    for node in "${NODES[@]}"; do stop_pid "$DIR/slurmd-$node.pid" slurmd; done
+    stop_pid "$DIR/slurmctld.pid" slurmctld
+    stop_pid "$MUNGE/munged.pid" munged
+}
+
+for bin in srun sinfo scontrol munge mungekey; do
     command -v "$bin" >/dev/null 2>&1 || die "$bin not found; install with: apt-get install -y slurm-wlm munge"
 done
 SLURMCTLD=$(command -v slurmctld || echo /usr/sbin/slurmctld)
@@ -76,46 +115,94 @@ for bin in "$SLURMCTLD" "$SLURMD" "$MUNGED"; do
     [ -x "$bin" ] || die "$bin not found; install with: apt-get install -y slurm-wlm munge"
 done
 
-# The node is named after the short hostname (the controller must match it); fall back when odd.
-HOST=${DISTVIDEO_SLURM_HOST:-$(hostname -s 2>/dev/null || hostname)}
-if ! [[ $HOST =~ ^[A-Za-z][A-Za-z0-9-]*$ ]]; then
-    HOST=localhost
-fi
-NODE=$HOST
+HOST=$(hostname -s 2>/dev/null || hostname)
+[[ $HOST =~ ^[A-Za-z][A-Za-z0-9-]*$ ]] || HOST=localhost
 CPUS=$(nproc)
 
 healthy() {
-    pid_alive "$DIR/slurmctld.pid" && pid_alive "$DIR/slurmd.pid" && our_ctld || return 1
-    local state
-    state=$(timeout 10 sinfo -h -n "$NODE" -o '%t' 2>/dev/null | head -n 1) || return 1
-    case "$state" in
-        idle | mix | alloc | comp) ;;
-        *) return 1 ;;
-    esac
-    timeout 30 srun -N 1 -n 1 --overcommit -t 1 true >/dev/null 2>&1
+    [ -f "$CONF" ] && pid_alive "$DIR/slurmctld.pid" && pid_alive "$MUNGE/munged.pid" || return 1
+    local node
+    for node in "${NODES[@]}"; do pid_alive "$DIR/slurmd-$node.pid" || return 1; done
+    timeout 60 srun -N 2 -n 2 --overcommit -t 1 true >/dev/null 2>&1
 }
 
-write_conf() {
-    mkdir -p "$DIR/etc" "$LOG" "$DIR/state" "$DIR/spool"
-    chmod 755 "$DIR" "$DIR/etc"
+mkdir -p "$DIR/etc" "$LOG" "$MUNGE"
+# Serialise starts of this directory (the daemons must not inherit fd 9, hence the 9>&- below).
+exec 9>"$DIR/.lock"
+flock -w 120 9 || die "could not take $DIR/.lock"
+
+if healthy; then
+    log "already running ($CONF)"
+    echo "DISTVIDEO_SLURM_DIR=$DIR"
+    echo "SLURM_CONF=$CONF"
+    exit 0
+fi
+[ "$(id -u)" = 0 ] || die "starting the local Slurm needs root (SlurmUser=root): sudo bash $0"
+
+# The node names resolve to this host (ranks derive MASTER_ADDR from the node list).
+missing_names=()
+for node in "${NODES[@]}"; do getent hosts "$node" >/dev/null 2>&1 || missing_names+=("$node"); done
+if [ ${#missing_names[@]} -gt 0 ]; then
+    (
+        flock -w 30 8 || exit 1
+        for node in "${missing_names[@]}"; do
+            getent hosts "$node" >/dev/null 2>&1 || echo "127.0.0.1 $node  # distvideo's local test Slurm" >>/etc/hosts
+        done
+    ) 8>>/etc/hosts.distvideo.lock || die "could not add ${missing_names[*]} to /etc/hosts"
+    for node in "${NODES[@]}"; do getent hosts "$node" >/dev/null 2>&1 || die "$node does not resolve"; done
+fi
+
+free_ports() { # N: N distinct TCP ports that were free a moment ago
+    local py
+    py=$(command -v python3 || command -v python) || die "python3 is needed to pick free ports"
+    "$py" - "$1" <<'EOF'
+import socket, sys
+socks = [socket.socket() for _ in range(int(sys.argv[1]))]
+for s in socks:
+    s.bind(("127.0.0.1", 0))
+print(" ".join(str(s.getsockname()[1]) for s in socks))
+EOF
+}
+
+start_munge() {
+    stop_pid "$MUNGE/munged.pid" munged
+    chmod 755 "$MUNGE"
+    if [ ! -s "$MUNGE/munge.key" ]; then
+        mungekey --create --keyfile="$MUNGE/munge.key" --force >/dev/null
+        chmod 0400 "$MUNGE/munge.key"
+    fi
+    rm -f "$MUNGE/munge.sock" "$MUNGE/munge.sock.lock"
+    "$MUNGED" --force --socket="$MUNGE/munge.sock" --key-file="$MUNGE/munge.key" --pid-file="$MUNGE/munged.pid" \
+        --log-file="$LOG/munged.log" --seed-file="$MUNGE/munged.seed" >"$LOG/munged.stderr" </dev/null 2>&1 9>&- ||
+        die "munged failed to start"
+    for _ in $(seq 1 50); do
+        if timeout 5 munge -n -S "$MUNGE/munge.sock" </dev/null 2>/dev/null |
+            timeout 5 unmunge -S "$MUNGE/munge.sock" >/dev/null 2>&1; then
+            return 0
+        fi
+        sleep 0.2
+    done
+    die "munged did not come up"
+}
+
+write_conf() { # ctld_port d_port1 d_port2 first_job_id
     : >"$DIR/etc/plugstack.conf"
-    local tmp=$CONF.tmp
-    cat >"$tmp" <<EOF
-# Generated by scripts/slurm/start_local_slurm.sh: single-node Slurm for distvideo's launcher tests.
+    cat >"$CONF.tmp" <<EOF
+# Generated by scripts/slurm/start_local_slurm.sh: a private two-node Slurm for distvideo's launcher tests.
 ClusterName=distvideo
 SlurmctldHost=$HOST(127.0.0.1)
 SlurmUser=root
 SlurmdUser=root
-SlurmctldPort=$CTLD_PORT
-SlurmdPort=$D_PORT
+SlurmctldPort=$1
 AuthType=auth/munge
 CredType=cred/munge
+AuthInfo=socket=$MUNGE/munge.sock
 StateSaveLocation=$DIR/state
-SlurmdSpoolDir=$DIR/spool
+SlurmdSpoolDir=$DIR/spool-%n
 SlurmctldPidFile=$DIR/slurmctld.pid
-SlurmdPidFile=$DIR/slurmd.pid
+SlurmdPidFile=$DIR/slurmd-%n.pid
 SlurmctldLogFile=$LOG/slurmctld.log
-SlurmdLogFile=$LOG/slurmd.log
+SlurmdLogFile=$LOG/slurmd-%n.log
 SlurmctldDebug=info
 SlurmdDebug=info
 MailProg=/bin/true
@@ -138,135 +225,83 @@ MinJobAge=30
 KillWait=5
 Waittime=0
 MessageTimeout=10
-NodeName=$NODE NodeAddr=127.0.0.1 NodeHostname=$NODE CPUs=$CPUS RealMemory=1024 State=UNKNOWN
-PartitionName=debug Nodes=$NODE Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+FirstJobId=$4
+NodeName=${NODES[0]} NodeAddr=127.0.0.1 NodeHostname=$HOST Port=$2 CPUs=$CPUS RealMemory=1024 State=UNKNOWN
+NodeName=${NODES[1]} NodeAddr=127.0.0.1 NodeHostname=$HOST Port=$3 CPUs=$CPUS RealMemory=1024 State=UNKNOWN
+PartitionName=debug Nodes=$NODELIST Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 EOF
-    if [ -f "$CONF" ] && cmp -s "$tmp" "$CONF"; then
-        rm -f "$tmp"
-        return 1 # unchanged
-    fi
-    mv -f "$tmp" "$CONF"
+    mv -f "$CONF.tmp" "$CONF"
     echo "SLURM_CONF=$CONF" >"$DIR/env"
-    return 0
 }
 
-start_munge() {
-    if timeout 10 munge -n </dev/null 2>/dev/null | timeout 10 unmunge >/dev/null 2>&1; then
-        return 0
-    fi
-    [ "$(id -u)" = 0 ] || die "munged is not running and we are not root (start it with: sudo $MUNGED)"
-    id munge >/dev/null 2>&1 || die "no munge user; install with: apt-get install -y munge"
-    mkdir -p /etc/munge /run/munge /var/lib/munge /var/log/munge
-    if [ ! -s /etc/munge/munge.key ]; then
-        log "creating /etc/munge/munge.key"
-        if command -v mungekey >/dev/null 2>&1; then
-            mungekey --create --keyfile=/etc/munge/munge.key --force >/dev/null
-        else
-            dd if=/dev/urandom of=/etc/munge/munge.key bs=1 count=1024 status=none
-        fi
-    fi
-    chown munge:munge /etc/munge /etc/munge/munge.key /run/munge /var/lib/munge /var/log/munge
-    chmod 0700 /etc/munge /var/lib/munge /var/log/munge
-    chmod 0400 /etc/munge/munge.key
-    chmod 0755 /run/munge
-    # A stale socket/pid from a dead munged makes the new one refuse to start.
-    if [ -s /run/munge/munged.pid ] && ! proc_running "$(cat /run/munge/munged.pid)"; then
-        rm -f /run/munge/munged.pid /run/munge/munge.socket.2 /run/munge/munge.socket.2.lock
-    fi
-    : >"$LOG/munged.log"
-    if command -v runuser >/dev/null 2>&1; then
-        runuser -u munge -- "$MUNGED" --force >>"$LOG/munged.log" </dev/null 2>&1 9>&- || true
-    else
-        su -s /bin/sh munge -c "$MUNGED --force" >>"$LOG/munged.log" </dev/null 2>&1 9>&- || true
-    fi
-    touch "$DIR/munged.started-by-us"
-    local i
-    for i in $(seq 1 50); do
-        if timeout 5 munge -n </dev/null 2>/dev/null | timeout 5 unmunge >/dev/null 2>&1; then
-            return 0
-        fi
+port_taken() { grep -qsi "address already in use" "$LOG"/*.log "$LOG"/*.stderr; }
+
+# Returns 0 when up, 2 when a port was taken (retry with new ones); dies otherwise.
+start_cluster() { # ctld_port d_port1 d_port2
+    local node state states deadline
+    stop_daemons
+    start_munge
+    rm -rf "$DIR/state" "$DIR"/spool-*
+    mkdir -p "$DIR/state"
+    : >"$LOG/slurmctld.log"
+    for node in "${NODES[@]}"; do : >"$LOG/slurmd-$node.log"; done
+    write_conf "$1" "$2" "$3" $((RANDOM * 32 + RANDOM % 32 + 1000))
+    "$SLURMCTLD" -i -f "$CONF" >"$LOG/slurmctld.stderr" </dev/null 2>&1 9>&- || die "slurmctld failed to start"
+    for _ in $(seq 1 50); do
+        timeout 5 scontrol ping 2>/dev/null | grep -q 'is UP' && break
+        if [ -s "$DIR/slurmctld.pid" ] && ! pid_alive "$DIR/slurmctld.pid"; then break; fi
         sleep 0.2
     done
-    [ -r /var/log/munge/munged.log ] && tail -n 30 /var/log/munge/munged.log >>"$LOG/munged.log"
-    die "munged did not come up"
-}
-
-stop_pid() { # pidfile name
-    local pid i
-    [ -s "$1" ] || return 0
-    pid=$(cat "$1" 2>/dev/null || true)
-    # Only signal the pid when it still is that daemon (pids get reused after a reboot or crash).
-    if [[ $pid =~ ^[0-9]+$ ]] && [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$2" ]; then
-        log "stopping $2 (pid $pid)"
-        kill -TERM "$pid" 2>/dev/null || true
-        for i in $(seq 1 50); do
-            proc_running "$pid" || break
-            sleep 0.1
+    if ! timeout 5 scontrol ping 2>/dev/null | grep -q 'is UP'; then
+        port_taken && return 2
+        die "slurmctld does not answer scontrol ping"
+    fi
+    for node in "${NODES[@]}"; do
+        "$SLURMD" -N "$node" -f "$CONF" >"$LOG/slurmd-$node.stderr" </dev/null 2>&1 9>&- || die "slurmd -N $node failed"
+    done
+    deadline=$((SECONDS + TIMEOUT))
+    while [ $SECONDS -lt $deadline ]; do
+        for node in "${NODES[@]}"; do
+            if [ -s "$DIR/slurmd-$node.pid" ] && ! pid_alive "$DIR/slurmd-$node.pid"; then
+                port_taken && return 2
+                die "slurmd -N $node exited"
+            fi
         done
-        kill -KILL "$pid" 2>/dev/null || true
-    fi
-    rm -f "$1"
+        pid_alive "$DIR/slurmctld.pid" || die "slurmctld exited"
+        states=$(timeout 5 sinfo -h -N -o '%t' 2>/dev/null | sort -u | tr '\n' ' ' || true)
+        case "$states" in
+            "idle " | "mix " | "alloc ") return 0 ;;
+        esac
+        for node in "${NODES[@]}"; do
+            state=$(timeout 5 sinfo -h -n "$node" -o '%t' 2>/dev/null | head -n 1 || true)
+            case "$state" in
+                down* | drain* | fail*) timeout 5 scontrol update NodeName="$node" State=RESUME >/dev/null 2>&1 || true ;;
+            esac
+        done
+        sleep 0.3
+    done
+    die "nodes not idle after ${TIMEOUT}s (states: ${states:-none})"
 }
 
-mkdir -p "$DIR" "$LOG"
-# Serialise concurrent starts (the daemons must not inherit fd 9, hence the 9>&- below).
-exec 9>"$DIR/.lock"
-flock -w 120 9 || die "could not take $DIR/.lock"
-
-conf_changed=0
-write_conf && conf_changed=1
-if [ "$conf_changed" = 0 ] && healthy; then
-    log "already running ($CONF)"
-    echo "SLURM_CONF=$CONF"
-    exit 0
-fi
-
-[ "$(id -u)" = 0 ] || die "starting the local Slurm needs root (SlurmUser=root)"
-start_munge
-
-# (Re)start both daemons from a clean slate: faster and more predictable than repairing them.
-stop_pid "$DIR/slurmd.pid" slurmd
-stop_pid "$DIR/slurmctld.pid" slurmctld
-rm -rf "$DIR/state" "$DIR/spool"
-mkdir -p "$DIR/state" "$DIR/spool"
-: >"$LOG/slurmctld.log"
-: >"$LOG/slurmd.log"
-
-"$SLURMCTLD" -i -f "$CONF" >"$LOG/slurmctld.stderr" </dev/null 2>&1 9>&- || die "slurmctld failed to start"
-for _ in $(seq 1 50); do
-    timeout 5 scontrol ping 2>/dev/null | grep -q 'is UP' && break
-    sleep 0.2
-done
-timeout 5 scontrol ping 2>/dev/null | grep -q 'is UP' || die "slurmctld does not answer scontrol ping"
-our_ctld || die "the controller on port $CTLD_PORT is not ours (another Slurm? set DISTVIDEO_SLURM_CTLD_PORT)"
-
-"$SLURMD" -N "$NODE" -f "$CONF" >"$LOG/slurmd.stderr" </dev/null 2>&1 9>&- || die "slurmd failed to start"
-
-deadline=$((SECONDS + TIMEOUT))
-state=
-while [ $SECONDS -lt $deadline ]; do
-    # A pid file that exists was written by the daemon we just started (stop_pid removed the old ones).
-    if [ -s "$DIR/slurmd.pid" ] && ! pid_alive "$DIR/slurmd.pid"; then
-        die "slurmd exited (port $D_PORT taken? set DISTVIDEO_SLURM_D_PORT)"
+up=0
+for attempt in 1 2 3; do
+    if [ -n "${DISTVIDEO_SLURM_CTLD_PORT:-}" ] && [ -n "${DISTVIDEO_SLURM_D_PORTS:-}" ]; then
+        read -r ctld_port d_port1 d_port2 <<<"$DISTVIDEO_SLURM_CTLD_PORT ${DISTVIDEO_SLURM_D_PORTS/,/ }"
+    else
+        read -r ctld_port d_port1 d_port2 <<<"$(free_ports 3)"
     fi
-    if [ -s "$DIR/slurmctld.pid" ] && ! pid_alive "$DIR/slurmctld.pid"; then
-        die "slurmctld exited"
+    rc=0
+    start_cluster "$ctld_port" "$d_port1" "$d_port2" || rc=$?
+    if [ $rc = 0 ]; then
+        up=1
+        break
     fi
-    state=$(timeout 5 sinfo -h -n "$NODE" -o '%t' 2>/dev/null | head -n 1 || true)
-    case "$state" in
-        idle | mix | alloc) break ;;
-        down* | drain* | fail*)
-            timeout 5 scontrol update NodeName="$NODE" State=RESUME >/dev/null 2>&1 || true
-            ;;
-    esac
-    sleep 0.3
+    log "a port was taken meanwhile (attempt $attempt); retrying with new ports"
 done
-case "$state" in
-    idle | mix | alloc) ;;
-    *) die "node $NODE not idle after ${TIMEOUT}s (state '${state}')" ;;
-esac
+[ $up = 1 ] || die "could not bind the Slurm ports after 3 attempts"
 
-out=$(timeout 60 srun -N 1 -n 1 --overcommit -t 1 true 2>&1) || die "srun -n 1 true failed: $out"
+out=$(timeout 60 srun -N 2 -n 2 --overcommit -t 1 true 2>&1) || die "srun -N 2 -n 2 true failed: $out"
 
-log "local Slurm up: node $NODE ($CPUS CPUs), conf $CONF, logs $LOG"
+log "local Slurm up: nodes ${NODES[*]} ($CPUS CPUs each), ports $ctld_port/$d_port1/$d_port2, conf $CONF"
+echo "DISTVIDEO_SLURM_DIR=$DIR"
 echo "SLURM_CONF=$CONF"

@@ -1,30 +1,40 @@
 #!/usr/bin/env bash
-# Stop the single-node Slurm started by scripts/slurm/start_local_slurm.sh (slurmd, slurmctld and,
-# when that script started it, munged). Only the pids in our pid files are signalled.
-# Pass --keep-munge to leave munged running. Safe to run when nothing is running.
+# Stop the private Slurm that scripts/slurm/start_local_slurm.sh started in one directory: its slurmd of each node,
+# slurmctld and munged. Only the pids in that directory's pid files are signalled, and only while they still are
+# those daemons. Safe to run when nothing is running.
+#
+# usage: stop_local_slurm.sh [--remove] DIR        (or DISTVIDEO_SLURM_DIR=DIR stop_local_slurm.sh [--remove])
+#   --remove   also delete DIR afterwards
 set -uo pipefail
 
-DIR=${DISTVIDEO_SLURM_DIR:-/tmp/distvideo-slurm}
-keep_munge=0
-[ "${1:-}" = "--keep-munge" ] && keep_munge=1
+remove=0
+if [ "${1:-}" = "--remove" ]; then
+    remove=1
+    shift
+fi
+DIR=${1:-${DISTVIDEO_SLURM_DIR:-}}
+if [ -z "$DIR" ]; then
+    echo "usage: $0 [--remove] DIR (the directory start_local_slurm.sh printed as DISTVIDEO_SLURM_DIR)" >&2
+    exit 2
+fi
+[ -d "$DIR" ] || exit 0
 
 log() { echo "[stop_local_slurm] $*" >&2; }
 
-proc_running() { # pid; a zombie (not yet reaped by pid 1) counts as gone
+proc_running() { # pid; a zombie (not yet reaped) counts as gone
     local st
     st=$(sed 's/.*) //' "/proc/$1/stat" 2>/dev/null | cut -d' ' -f1) || return 1
     [ -n "$st" ] && [ "$st" != Z ] && [ "$st" != X ]
 }
 
 stop_pid() { # pidfile name
-    local pid i
+    local pid
     [ -s "$1" ] || return 0
     pid=$(cat "$1" 2>/dev/null || true)
-    # Only signal the pid when it still is that daemon (pids get reused after a reboot or crash).
     if [[ $pid =~ ^[0-9]+$ ]] && [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$2" ]; then
         log "stopping $2 (pid $pid)"
         kill -TERM "$pid" 2>/dev/null || true
-        for i in $(seq 1 50); do
+        for _ in $(seq 1 50); do
             proc_running "$pid" || break
             sleep 0.1
         done
@@ -36,10 +46,12 @@ stop_pid() { # pidfile name
     rm -f "$1"
 }
 
-stop_pid "$DIR/slurmd.pid" slurmd
+for pidfile in "$DIR"/slurmd-*.pid; do
+    [ -e "$pidfile" ] && stop_pid "$pidfile" slurmd
+done
 stop_pid "$DIR/slurmctld.pid" slurmctld
-if [ "$keep_munge" = 0 ] && [ -f "$DIR/munged.started-by-us" ]; then
-    stop_pid /run/munge/munged.pid munged
-    rm -f "$DIR/munged.started-by-us"
+stop_pid "$DIR/munge/munged.pid" munged
+if [ "$remove" = 1 ]; then
+    rm -rf "$DIR"
 fi
 exit 0

@@ -9,8 +9,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from contract_checks import observe
 from distvideo import VideoGenerator
+
+from contract_checks import observe
 
 out = Path(sys.argv[1])
 gen = VideoGenerator.from_pretrained(executor="external")
