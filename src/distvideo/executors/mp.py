@@ -26,10 +26,11 @@ import multiprocessing.util  # registers its exit hook now, so ours (registered 
 import os
 import pickle
 import select
+import shutil
 import signal
-import socket
 import struct
 import sys
+import tempfile
 import threading
 import time
 import weakref
@@ -108,12 +109,6 @@ def _dumps(obj: Any) -> bytes:
         return cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def describe_exit(exitcode: int | None) -> str:
     """'killed by SIGKILL', 'exit code 3': how a worker process ended, for error messages."""
     if exitcode is None:
@@ -187,6 +182,7 @@ class MultiprocExecutor(Executor):
         self._poller = select.poll()
         self._fd_owner: dict[int, tuple[bool, int]] = {}
         self._closed = False
+        self._rendezvous_dir: str | None = None
         _LIVE.add(self)
         try:
             self._spawn(config, model_info)
@@ -205,7 +201,11 @@ class MultiprocExecutor(Executor):
     # -- start-up --------------------------------------------------------------------------------
     def _spawn(self, config: EngineConfig, model_info: ModelInfo) -> None:
         ctx = multiprocessing.get_context("spawn")
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        # The ranks meet through a file in a private folder (all of them run on this machine): no TCP port is chosen,
+        # released and bound again later, which another process could take in between (gloo's own connections bind
+        # port 0).
+        self._rendezvous_dir = tempfile.mkdtemp(prefix="distvideo-mp-")
+        init_method = f"file://{os.path.join(self._rendezvous_dir, 'rendezvous')}"
         # The parent-death signal fires when the spawning *thread* ends; set it only when that is the
         # main thread, which lives as long as the process (the watchdog covers the other case).
         parent_death_signal = threading.current_thread() is threading.main_thread()
@@ -506,6 +506,9 @@ class MultiprocExecutor(Executor):
             conn.close()
         self._dead = self._dead or "shut down"
         self._free_segments()
+        if self._rendezvous_dir is not None:
+            shutil.rmtree(self._rendezvous_dir, ignore_errors=True)
+            self._rendezvous_dir = None
 
 
 @contextlib.contextmanager
