@@ -36,31 +36,48 @@ def wait_gone(pids: Iterable[int], within: float) -> list[int]:
 
 
 class Running:
-    """A command started in its own session (like a program started from a terminal), its stdout and stderr merged
-    and read line by line by a thread, so reading never blocks on a full pipe. Use as a context manager, or call
-    ``kill()`` in a ``finally``: the whole session is SIGKILLed."""
+    """A command started in its own session (like a program started from a terminal), its output read line by line
+    by threads, so reading never blocks on a full pipe: stdout and stderr merged in ``lines``, or with
+    ``separate_stderr`` stdout in ``lines`` and stderr in ``stderr``. Use as a context manager, or call ``kill()`` in
+    a ``finally``: the whole session is SIGKILLed."""
 
-    def __init__(self, cmd: Sequence[str], env: Mapping[str, str] | None = None, cwd: str | os.PathLike | None = None):
+    def __init__(
+        self,
+        cmd: Sequence[str],
+        env: Mapping[str, str] | None = None,
+        cwd: str | os.PathLike | None = None,
+        *,
+        separate_stderr: bool = False,
+    ):
         self.proc = subprocess.Popen(
             [str(c) for c in cmd],
             env=dict(env) if env is not None else None,
             cwd=cwd,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
+            stderr=subprocess.PIPE if separate_stderr else subprocess.STDOUT,
             text=True,
             start_new_session=True,
         )
         self.lines: list[str] = []
+        self.stderr: list[str] = []
         self._queue: queue.Queue[str] = queue.Queue()
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
+        self._stderr_reader: threading.Thread | None = None
+        if separate_stderr:
+            self._stderr_reader = threading.Thread(target=self._read_stderr, daemon=True)
+            self._stderr_reader.start()
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             self.lines.append(line)
             self._queue.put(line)
+
+    def _read_stderr(self) -> None:
+        assert self.proc.stderr is not None
+        self.stderr.extend(self.proc.stderr)
 
     def __enter__(self) -> Running:
         return self
@@ -69,7 +86,8 @@ class Running:
         self.kill()
 
     def text(self) -> str:
-        return "".join(self.lines)
+        """Everything printed so far (stdout, then stderr when they are kept apart)."""
+        return "".join(self.lines) + "".join(self.stderr)
 
     def wait_for(self, predicate: Callable[[list[str]], bool], within: float) -> None:
         """Wait until `predicate(lines so far)` holds; fail the test (killing the command) if it has not within
@@ -91,12 +109,17 @@ class Running:
 
     def wait(self, within: float) -> int:
         returncode = self.proc.wait(within)
-        self.reader.join(5)
+        self._join_readers()
         return returncode
+
+    def _join_readers(self) -> None:
+        self.reader.join(5)
+        if self._stderr_reader is not None:
+            self._stderr_reader.join(5)
 
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(10)
-        self.reader.join(5)
+        self._join_readers()

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import signal
-import subprocess
+import socket
 import sys
 import textwrap
 import threading
 import time
+import urllib.parse
 from pathlib import Path
 
 import cloudpickle
@@ -28,6 +28,8 @@ from distvideo.config import GenerationRequest
 from distvideo.executors.base import RankFailure
 from distvideo.models.embedded import embedded_model_path
 from distvideo.testing.checkpoints import build_embedded_model
+
+from processes import Running, wait_gone
 
 pytestmark = pytest.mark.slow
 
@@ -61,9 +63,19 @@ def boom_on_rank_1(worker):
     return worker.rank
 
 
-def sleep_then_answer(worker, seconds, answer):
+def sleep_then_answer(worker, seconds, answer, started_dir=None):
+    """Sleep, then answer; with `started_dir`, first write `started<rank>` there (the call is in flight)."""
+    if started_dir is not None:
+        Path(started_dir, f"started{worker.rank}").write_text("")
     time.sleep(seconds)
     return answer
+
+
+def wait_for_file(path: Path, within: float) -> None:
+    deadline = time.monotonic() + within
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} did not appear within {within} s"
+        time.sleep(0.02)
 
 
 def raise_in_second_transformer_call_on_rank_1(worker):
@@ -113,21 +125,6 @@ def shared(model_path: str):
 @pytest.fixture
 def gen(shared: SharedGenerator) -> VideoGenerator:
     return shared.get()
-
-
-def gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
-def wait_gone(pids: list[int], within: float) -> list[int]:
-    """The pids still alive after `within` seconds (zombies count as gone)."""
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline and not all(gone(p) for p in pids):
-        time.sleep(0.1)
-    return [p for p in pids if not gone(p)]
 
 
 def spawned_children() -> set[int]:
@@ -193,15 +190,21 @@ def test_frames_match_inline_and_only_the_output_rank_ships_them(gen: VideoGener
 
 
 # --- failures that end the executor -------------------------------------------------------------
-def test_a_killed_worker_is_reported_and_the_executor_is_dead(model_path: str):
+def test_a_killed_worker_is_reported_and_the_executor_is_dead(model_path: str, tmp_path: Path):
     gen = VideoGenerator.from_pretrained(model_path, num_gpus=2, executor="mp")
     pids = gen.collective_rpc(pid_of)
-    killer = threading.Timer(1.0, os.kill, args=(pids[1], signal.SIGKILL))
+
+    def kill_rank_1_inside_the_call() -> None:
+        wait_for_file(tmp_path / "started1", within=60)
+        os.kill(pids[1], signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_rank_1_inside_the_call, daemon=True)
     killer.start()
     start = time.monotonic()
     with pytest.raises(RuntimeError) as info:
-        gen.collective_rpc(sleep_then_answer, args=(60.0, "never"))
-    assert time.monotonic() - start < 15
+        gen.collective_rpc(sleep_then_answer, args=(60.0, "never", str(tmp_path)))
+    killer.join()
+    assert time.monotonic() - start < 55, "the driver waited for the call to end instead of noticing the death"
     assert "rank 1 died (killed by SIGKILL)" in str(info.value)
     with pytest.raises(RuntimeError, match="executor is dead"):
         gen.collective_rpc(rank_of)
@@ -234,25 +237,32 @@ def test_a_rank_failing_alone_mid_generation_does_not_wait_for_dist_timeout(mode
     gen.shutdown()
 
 
-def test_ctrl_c_delivered_to_another_thread_still_interrupts_a_call(model_path: str):
+def test_ctrl_c_delivered_to_another_thread_still_interrupts_a_call(model_path: str, tmp_path: Path):
     """The kernel may hand a process's SIGINT to any thread that does not block it (torch's OpenMP threads, say);
     the main thread, blocked waiting for the workers, must still notice it soon and raise KeyboardInterrupt."""
     gen = VideoGenerator.from_pretrained(model_path, num_gpus=1, executor="mp")
     pids = gen.collective_rpc(pid_of)
+    sent_at: list[float] = []
+
+    def interrupt_this_thread_once_the_call_runs() -> None:
+        wait_for_file(tmp_path / "started0", within=60)
+        sent_at.append(time.monotonic())
+        signal.pthread_kill(threading.get_ident(), signal.SIGINT)  # lands on this thread, not on the main thread
+
     # Python's own Ctrl-C handler, as in a program started from a terminal (a test run started in the background by
     # a non-interactive shell inherits SIGINT ignored)
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    sender = threading.Timer(1.0, lambda: signal.pthread_kill(threading.get_ident(), signal.SIGINT))
+    sender = threading.Thread(target=interrupt_this_thread_once_the_call_runs, daemon=True)
     try:
-        sender.start()  # the SIGINT lands on the timer's own thread, not on the main thread
-        start = time.monotonic()
+        sender.start()
         with pytest.raises(KeyboardInterrupt):
-            gen.collective_rpc(sleep_then_answer, args=(60.0, "never"))
-        took = time.monotonic() - start
+            gen.collective_rpc(sleep_then_answer, args=(60.0, "never", str(tmp_path)))
+        took = time.monotonic() - sent_at[0]
         sender.join()
     finally:
         signal.signal(signal.SIGINT, previous)
-    assert took < 10, f"the interrupt was noticed only after {took:.1f} s"
+    # the driver waits in 0.5 s slices; 30 s only catches a driver that waits for the call to end (60 s)
+    assert took < 30, f"the interrupt was noticed only {took:.1f} s after it was sent"
     with pytest.raises(RuntimeError, match="executor is dead"):
         gen.collective_rpc(rank_of)
     assert wait_gone(pids, within=5) == []
@@ -297,6 +307,71 @@ def test_a_rank_failing_at_start_up_is_named(model_path: str, tmp_path: Path, mo
     assert spawned_children() - before == set()
 
 
+def test_start_up_survives_another_process_binding_ports_meanwhile(
+    model_path: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Between the moment the driver sets up the rendezvous and the moment the ranks join it (seconds: spawned workers
+    import torch first), another process may bind any free port. The workers here stop right before joining until
+    this test has bound the rendezvous port, if it is a TCP one, the way another program would: start-up must not
+    depend on a port nobody holds staying free."""
+    (tmp_path / "sitecustomize.py").write_text(
+        textwrap.dedent(
+            """
+            import os, pathlib, time
+
+            _dir = os.environ.get("DISTVIDEO_TEST_RENDEZVOUS_DIR")
+            if _dir is not None:
+                from distvideo import worker as _worker
+
+                _init_device = _worker.Worker.init_device
+
+                def init_device(self):
+                    pathlib.Path(_dir, f"init{self.rank}").write_text(self.rank_info.init_method or "")
+                    deadline = time.monotonic() + 120
+                    while not pathlib.Path(_dir, "go").exists() and time.monotonic() < deadline:
+                        time.sleep(0.02)
+                    _init_device(self)
+
+                _worker.Worker.init_device = init_device
+            """
+        )
+    )
+    signals = tmp_path / "signals"
+    signals.mkdir()
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("DISTVIDEO_TEST_RENDEZVOUS_DIR", str(signals))
+    created: dict[str, object] = {}
+
+    def create() -> None:
+        try:
+            created["gen"] = VideoGenerator.from_pretrained(model_path, num_gpus=2, executor="mp")
+        except BaseException as exc:
+            created["error"] = exc
+
+    starter = threading.Thread(target=create, daemon=True)
+    starter.start()
+    squatter = socket.socket()
+    try:
+        wait_for_file(signals / "init0", within=120)
+        init_method = (signals / "init0").read_text()
+        parsed = urllib.parse.urlparse(init_method)
+        if parsed.scheme == "tcp":  # the port is free until rank 0 binds it: another program takes it first
+            squatter.bind((parsed.hostname, parsed.port))
+            squatter.listen()
+        (signals / "go").write_text("")
+        starter.join(180)
+        assert not starter.is_alive(), "the generator did not start within 180 s"
+        assert "error" not in created, f"start-up failed with the rendezvous at {init_method}: {created.get('error')}"
+        gen = created["gen"]
+        try:
+            assert gen.collective_rpc(rank_of) == [0, 1]
+        finally:
+            gen.shutdown()
+    finally:
+        squatter.close()
+        (signals / "go").write_text("")  # never leave a worker waiting
+
+
 def test_shutdown_is_idempotent_and_leaves_no_process(shared: SharedGenerator):
     gen = shared.get()
     pids = gen.collective_rpc(pid_of)
@@ -304,7 +379,7 @@ def test_shutdown_is_idempotent_and_leaves_no_process(shared: SharedGenerator):
     gen.shutdown()
     gen.shutdown()
     executor.shutdown()
-    assert wait_gone(pids, within=1) == []
+    assert wait_gone(pids, within=10) == []  # shutdown joined them: they are gone already
     with pytest.raises(RuntimeError, match="shut down"):
         executor.collective_rpc(rank_of)
 
@@ -312,7 +387,7 @@ def test_shutdown_is_idempotent_and_leaves_no_process(shared: SharedGenerator):
 # --- the driver's own fate ----------------------------------------------------------------------
 DRIVER = textwrap.dedent(
     """
-    import json, os, signal, sys, time
+    import json, os, pathlib, signal, sys, time
 
     from distvideo import VideoGenerator
 
@@ -320,18 +395,18 @@ DRIVER = textwrap.dedent(
     # non-interactive shell hands its children SIGINT ignored, and Python then installs no handler of its own
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
-    def sleep_long(worker):
+    def sleep_long(worker, marker):
+        pathlib.Path(marker).write_text("")  # the call is in flight
         time.sleep(120)
 
     if __name__ == "__main__":  # the spawned workers import this file as a module
-        model, mode, world = sys.argv[1], sys.argv[2], int(sys.argv[3])
+        model, mode, world, marker = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
         gen = VideoGenerator.from_pretrained(model, num_gpus=world, executor="mp")
         print(json.dumps(gen.collective_rpc(lambda w: os.getpid())), flush=True)
         if mode == "sleep":
             time.sleep(300)
         try:
-            print("calling", flush=True)
-            gen.collective_rpc(sleep_long)
+            gen.collective_rpc(sleep_long, args=(marker,))
         except KeyboardInterrupt:
             print("interrupted", flush=True)
         try:
@@ -342,79 +417,31 @@ DRIVER = textwrap.dedent(
 )
 
 
-class Driver:
-    """DRIVER in a subprocess of its own session (like a program started from a terminal); its output is
-    read by threads so that reading never blocks on a full pipe."""
-
-    def __init__(self, tmp_path: Path, model_path: str, mode: str, world: int):
-        script = tmp_path / "driver.py"
-        script.write_text(DRIVER)
-        self.proc = subprocess.Popen(
-            [sys.executable, str(script), model_path, mode, str(world)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.stderr: list[str] = []
-        self.readers = [
-            threading.Thread(target=self._drain, args=(self.proc.stdout, self.lines.put), daemon=True),
-            threading.Thread(target=self._drain, args=(self.proc.stderr, self.stderr.append), daemon=True),
-        ]
-        for reader in self.readers:
-            reader.start()
-
-    @staticmethod
-    def _drain(stream, sink) -> None:
-        for line in stream:
-            sink(line)
-
-    def read_line(self, within: float) -> str:
-        try:
-            return self.lines.get(timeout=within)
-        except queue.Empty:
-            self.proc.kill()
-            raise AssertionError(f"the driver printed nothing in {within} s; stderr:\n{''.join(self.stderr)}") from None
-
-    def worker_pids(self) -> list[int]:
-        return json.loads(self.read_line(within=120))
-
-    def wait(self, within: float) -> int:
-        returncode = self.proc.wait(within)
-        for reader in self.readers:
-            reader.join(5)
-        return returncode
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.wait(10)
+def start_driver(tmp_path: Path, model_path: str, mode: str, world: int) -> Running:
+    """DRIVER in a subprocess of its own session (like a program started from a terminal)."""
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
+    cmd = [sys.executable, str(script), model_path, mode, str(world), str(tmp_path / "in_flight")]
+    return Running(cmd, separate_stderr=True)
 
 
 def test_workers_end_when_their_driver_is_killed(tmp_path: Path, model_path: str):
-    driver = Driver(tmp_path, model_path, "sleep", world=2)
-    try:
-        pids = driver.worker_pids()
+    with start_driver(tmp_path, model_path, "sleep", world=2) as driver:
+        pids = json.loads(driver.read_line(within=120))
         if os.path.isdir("/proc"):  # the workers do not hold the driver's stdin
             assert [os.readlink(f"/proc/{pid}/fd/0") for pid in pids] == [os.devnull] * 2
         os.kill(driver.proc.pid, signal.SIGKILL)
         driver.proc.wait(10)
-        assert wait_gone(pids, within=10) == []
-    finally:
-        driver.kill()
+        assert wait_gone(pids, within=30) == []
 
 
 def test_ctrl_c_in_the_driver_tears_the_workers_down(tmp_path: Path, model_path: str):
-    driver = Driver(tmp_path, model_path, "interrupt", world=1)  # one rank keeps the test short
-    try:
-        pids = driver.worker_pids()
-        assert driver.read_line(within=30) == "calling\n"
-        time.sleep(0.5)  # the sleeping call is in flight
+    with start_driver(tmp_path, model_path, "interrupt", world=1) as driver:  # one rank keeps the test short
+        pids = json.loads(driver.read_line(within=120))
+        wait_for_file(tmp_path / "in_flight", within=60)  # the sleeping call is in flight
         os.killpg(driver.proc.pid, signal.SIGINT)  # what a terminal sends on Ctrl-C: driver and workers
-        assert driver.read_line(within=30) == "interrupted\n"
+        assert driver.read_line(within=30) == "interrupted\n", driver.text()
         assert "executor is dead" in driver.read_line(within=10)
-        assert driver.wait(30) == 0, "".join(driver.stderr)
+        assert driver.wait(30) == 0, driver.text()
         assert "KeyboardInterrupt" not in "".join(driver.stderr)  # the workers ignore SIGINT: no traceback
-        assert wait_gone(pids, within=5) == []
-    finally:
-        driver.kill()
+        assert wait_gone(pids, within=10) == []
