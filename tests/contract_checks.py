@@ -1,12 +1,13 @@
 """What every executor must do the same way, observed on a live VideoGenerator.
 
-`observe(gen)` runs the contract's calls and returns plain data; the contract tests run it in process
-(inline, mp) and on every rank under torchrun (external), then assert the same things of each.
+`observe(gen, threads_before)` runs the contract's calls and returns plain data; the contract tests run it in
+process (inline, mp) and on every rank under torchrun (external), then assert the same things of each.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 import numpy as np
@@ -33,7 +34,14 @@ def expected_failure_text(world_size: int) -> str:
     )
 
 
-def observe(gen) -> tuple[dict[str, Any], np.ndarray | None]:
+def thread_ids() -> set[int]:
+    return {t.ident for t in threading.enumerate() if t.ident is not None}
+
+
+def observe(gen, threads_before: set[int]) -> tuple[dict[str, Any], np.ndarray | None]:
+    """`threads_before`: the ids of this process's threads before the generator was created (`thread_ids()`)."""
+    import torch.distributed as dist
+
     obs: dict[str, Any] = {"world_size": gen.world_size, "is_output_rank": gen.is_output_rank}
     obs["describe"] = gen.collective_rpc(describe)
     obs["ping"] = gen.collective_rpc("ping")
@@ -55,4 +63,10 @@ def observe(gen) -> tuple[dict[str, Any], np.ndarray | None]:
         obs["after_shutdown"] = None
     except RuntimeError as exc:
         obs["after_shutdown"] = str(exc)
+    # what shutdown must leave behind in this process: no thread of the executor's, no process group (tqdm's monitor
+    # thread, started by the first progress bar, belongs to tqdm and lives as long as the process)
+    obs["threads_left"] = sorted(
+        t.name for t in threading.enumerate() if t.ident not in threads_before and t.name != "tqdm_monitor"
+    )
+    obs["process_group_left"] = dist.is_available() and dist.is_initialized()
     return obs, frames

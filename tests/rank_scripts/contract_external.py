@@ -11,12 +11,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from distvideo import VideoGenerator
 
-from contract_checks import observe
+from contract_checks import observe, thread_ids
 
 out = Path(sys.argv[1])
+before = thread_ids()
 gen = VideoGenerator.from_pretrained(executor="external")
 rank = gen.executor.rank
-obs, frames = observe(gen)
+obs, frames = observe(gen, before)
 if frames is not None:
     np.save(out / "frames.npy", frames)
 (out / f"rank{rank}.json").write_text(json.dumps(obs))
