@@ -49,9 +49,19 @@ def test_collective_rpc_failure_names_rank_and_stays_usable(gen):
     assert gen.collective_rpc("ping") == [0]
 
 
-def test_bad_request_fails_before_work(gen):
+def test_bad_request_fails_before_work(gen, monkeypatch):
+    pipeline = gen.executor.worker.pipeline
+    monkeypatch.setattr(
+        type(pipeline), "__call__", lambda *a, **k: pytest.fail("a refused request reached the pipeline")
+    )
     with pytest.raises(ConfigError, match="height=40"):
         gen.generate("x", height=40)
+
+
+def test_the_load_tripwire_catches_a_load(no_weights_loaded, embedded_model):
+    """The `no_weights_loaded` fixture the "refused before loading" tests rely on does fire when weights load."""
+    with pytest.raises(AssertionError, match="model weights were loaded"):
+        VideoGenerator.from_pretrained(embedded_model, executor="inline")
 
 
 def test_shutdown_is_idempotent(embedded_model):

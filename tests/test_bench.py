@@ -165,13 +165,11 @@ BAD_INPUTS = [
 
 
 @pytest.mark.parametrize(("extra", "named"), BAD_INPUTS, ids=[n for _, n in BAD_INPUTS])
+@pytest.mark.usefixtures("no_weights_loaded")
 def test_bad_input_exits_2_before_loading(extra, named, tmp_path, capsys, monkeypatch):
-    import distvideo.worker
-
     def no_loading(*a, **k):
-        raise AssertionError("model weights were loaded for a bad request")
+        raise AssertionError("diffusers' pipeline was loaded for a bad request")
 
-    monkeypatch.setattr(distvideo.worker, "load_components", no_loading)
     monkeypatch.setattr(bench, "DiffusersBaseline", no_loading)
     args = ["bench", *SMALL, "--compare", "diffusers", "--json", str(tmp_path / "out.json"), *extra]
     assert main(args) == 2

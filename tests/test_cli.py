@@ -64,13 +64,8 @@ BAD_INPUTS = [
 
 
 @pytest.mark.parametrize(("extra", "named"), BAD_INPUTS, ids=[n for _, n in BAD_INPUTS])
-def test_bad_input_exits_2_naming_parameter_before_model_work(extra, named, tmp_path, capsys, monkeypatch):
-    import distvideo.worker
-
-    def no_loading(*a, **k):
-        raise AssertionError("model weights were loaded for a bad request")
-
-    monkeypatch.setattr(distvideo.worker, "load_components", no_loading)
+@pytest.mark.usefixtures("no_weights_loaded")
+def test_bad_input_exits_2_naming_parameter_before_model_work(extra, named, tmp_path, capsys):
     out = tmp_path / "never.mp4"
     args = ["generate", "--prompt", "a fox", "--output", str(out), "--num-frames", "5", "--height", "32"]
     args += ["--width", "32", *extra]
@@ -80,12 +75,14 @@ def test_bad_input_exits_2_naming_parameter_before_model_work(extra, named, tmp_
     assert not out.exists() and list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.usefixtures("no_weights_loaded")
 def test_folder_that_is_not_a_checkpoint_exits_2(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert main(["generate", "--prompt", "x", "--model", str(tmp_path / "empty")]) == 2
     assert "model_index.json" in capsys.readouterr().err
 
 
+@pytest.mark.usefixtures("no_weights_loaded")
 def test_unknown_model_class_lists_supported(tmp_path, capsys):
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "model_index.json").write_text('{"_class_name": "FluxPipeline"}')

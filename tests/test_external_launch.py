@@ -86,6 +86,7 @@ def test_api_under_launcher(launcher, tmp_path, single_process_frames):
     assert "prompt" in r0["divergence"] and "prompt of rank 1" in r0["divergence"]
 
 
+@pytest.mark.usefixtures("no_weights_loaded")
 def test_external_without_launcher_is_a_config_error(capsys):
     code = main(["generate", "--prompt", "x", "--executor", "external", *SMALL])
     assert code == 2

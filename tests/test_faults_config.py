@@ -1,30 +1,22 @@
 """Bad configuration is refused early, with exit code 2 (bad input) or 1 (runtime) and a message naming the file or key.
 
 Config files that do not parse or hold unknown keys, impossible parallel layouts, and model folders with missing,
-truncated or garbled files are refused before any process starts or weight loads (load_components is replaced by a
-function that fails the test if it is called); a tokenizer that parses but does not load fails at load time (exit 1)
+truncated or garbled files, or a shard their index lists missing, are refused before any process starts or weight
+loads (the `no_weights_loaded` tripwire fails the test if weights load); a tokenizer that parses but does not load fails at load time (exit 1)
 naming its folder. See docs/reliability.md.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import pytest
 
-import distvideo.worker
 from distvideo.cli.main import main
 
 SMALL = ["--num-frames", "5", "--height", "32", "--width", "32", "--steps", "1"]
-
-
-@pytest.fixture
-def no_weights_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
-    def refuse(*args, **kwargs):
-        raise AssertionError("weights were loaded for a configuration that had to be refused first")
-
-    monkeypatch.setattr(distvideo.worker, "load_components", refuse)
 
 
 @pytest.fixture
@@ -101,10 +93,36 @@ def garble_header(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
+def shard_then_drop_one(path: Path) -> None:
+    """Split a component's weights into two shards with the index diffusers writes, then lose the second shard."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path))
+    names = sorted(tensors)
+    halves = {"diffusion_pytorch_model-00001-of-00002.safetensors": names[: len(names) // 2]}
+    halves["diffusion_pytorch_model-00002-of-00002.safetensors"] = names[len(names) // 2 :]
+    weight_map = {}
+    for shard, keys in halves.items():
+        save_file({k: tensors[k] for k in keys}, str(path.parent / shard))
+        weight_map |= dict.fromkeys(keys, shard)
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())}}
+    (path.parent / "diffusion_pytorch_model.safetensors.index.json").write_text(
+        json.dumps(index | {"weight_map": weight_map})
+    )
+    path.unlink()
+    (path.parent / "diffusion_pytorch_model-00002-of-00002.safetensors").unlink()
+
+
 DAMAGE = [
     ("transformer-truncated", "transformer/diffusion_pytorch_model.safetensors", truncate, "is corrupt or truncated"),
     ("vae-garbled", "vae/diffusion_pytorch_model.safetensors", garble_header, "invalid JSON in header"),
     ("text-encoder-missing", "text_encoder/model.safetensors", Path.unlink, "has no weight file"),
+    (
+        "transformer-shard-missing",
+        "transformer/diffusion_pytorch_model.safetensors",
+        shard_then_drop_one,
+        "lists shard(s) that are missing: diffusion_pytorch_model-00002-of-00002.safetensors",
+    ),
     ("tokenizer-garbled", "tokenizer/tokenizer.json", truncate, "is not valid JSON"),
     ("scheduler-garbled", "scheduler/scheduler_config.json", garble_header, "is not valid JSON"),
 ]
@@ -123,6 +141,7 @@ def test_damaged_model_folder_exits_2_naming_the_file(
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.usefixtures("no_weights_loaded")
 def test_damaged_model_folder_is_refused_by_the_api_too(model_copy):
     from distvideo import VideoGenerator
     from distvideo.config import ConfigError
