@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,13 @@ def model_info(embedded_model: Path):
     return probe_model(embedded_model)
 
 
+def named_field(exc: Exception) -> str:
+    """The parameter a message starts with ("height=33 must be ...", "prompt: must be ..." -> height, prompt)."""
+    match = re.match(r"[a-z_]+", str(exc))
+    assert match is not None, f"the message does not start with the parameter's name: {exc}"
+    return match.group(0)
+
+
 def request_from(values: dict[str, Any]) -> GenerationRequest:
     return GenerationRequest(**{"prompt": "a fox", **values})
 
@@ -53,7 +61,8 @@ def test_request_validation_raises_only_config_error(values):
     try:
         request.validate()
     except ConfigError as exc:
-        assert str(exc)  # a message for the person at the terminal
+        # the message starts with the parameter at fault, which must be one this call set (the others are defaults)
+        assert named_field(exc) in values, (str(exc), values)
         return
     # accepted: every set field has a sane type
     for name in ("num_frames", "height", "width", "num_inference_steps", *NOT_OPTIONAL):
@@ -86,7 +95,8 @@ def test_resolve_request_against_the_model(model_info, values):
     """Either ConfigError, or a request with every field filled that fits the model."""
     try:
         resolved = model_info.resolve_request(request_from(values))
-    except ConfigError:
+    except ConfigError as exc:
+        assert named_field(exc) in values, (str(exc), values)
         return
     resolved.validate()
     assert resolved.height % model_info.spatial_stride == 0 and resolved.width % model_info.spatial_stride == 0
@@ -99,8 +109,8 @@ def test_resolve_request_against_the_model(model_info, values):
 def test_lora_spec_parse(text):
     try:
         spec = LoraSpec.parse(text)
-    except ConfigError:
-        assert text == ""
+    except ConfigError as exc:
+        assert text == "" and str(exc).startswith("--lora: empty value")
         return
     assert spec.path and isinstance(spec.strength, float)
 
@@ -133,6 +143,23 @@ INVALID_FLAGS = st.sampled_from(
         ["--bogus-flag"],
     ]
 )
+# the words an error about each flag uses: the flag, or the parameter it sets
+FLAG_NAMES = {
+    "--num-frames": ("--num-frames", "num_frames"),
+    "--height": ("--height", "height"),
+    "--width": ("--width", "width"),
+    "--steps": ("--steps", "num_inference_steps"),
+    "--guidance-scale": ("--guidance-scale", "guidance_scale"),
+    "--seed": ("--seed", "seed"),
+    "--fps": ("--fps", "fps"),
+    "--prompt": ("--prompt", "prompt"),
+    "--num-gpus": ("--num-gpus", "num_gpus"),
+    "--sp-size": ("--sp-size", "sp_size", "sp("),
+    "--dist-timeout": ("--dist-timeout", "dist_timeout"),
+    "--executor": ("--executor", "executor"),
+    "--dtype": ("--dtype", "dtype"),
+    "--lora": ("--lora",),
+}
 ANY_FLAGS = st.lists(
     st.tuples(
         st.sampled_from(["--num-frames", "--height", "--width", "--steps", "--guidance-scale", "--seed", "--fps"]),
@@ -152,6 +179,10 @@ def test_cli_refuses_invalid_arguments_with_exit_2(valid_looking, broken, broken
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "distvideo: error:" in err and "Traceback" not in err
+    # the error names one of the parameters given (the broken one, or a valid-looking one that was invalid too)
+    given = {name for name in argv if name.startswith("--")}
+    named = {word for flag in given for word in FLAG_NAMES.get(flag, (flag,))}
+    assert any(word in err for word in named), (err, argv)
 
 
 @FUZZ
@@ -190,13 +221,19 @@ sections = st.fixed_dictionaries(
 
 
 def check_config_file(path: Path) -> None:
+    """A file is refused naming itself (`--config PATH: ...`), or its values are refused naming a key the file set,
+    or it is valid."""
     try:
         values = load_config_file(path)
-        engine = EngineConfig(**values["engine"])
-        engine.validate()
-        GenerationRequest(**{"prompt": "x", **values["request"]}).validate()
     except ConfigError as exc:
-        assert str(path) in str(exc) or "=" in str(exc) or ":" in str(exc)
+        assert str(exc).startswith(f"--config {path}: "), str(exc)
+        return
+    for section, cls, defaults in (("engine", EngineConfig, {}), ("request", GenerationRequest, {"prompt": "x"})):
+        try:
+            cls(**{**defaults, **values[section]}).validate()
+        except ConfigError as exc:
+            assert named_field(exc) in values[section], (str(exc), values[section])
+            return
 
 
 @FUZZ
