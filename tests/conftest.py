@@ -16,13 +16,29 @@ os.environ.setdefault("DISTVIDEO_NO_PROGRESS", "1")
 REPO = Path(__file__).resolve().parent.parent
 
 ONLY_GPU_MAY_SKIP = (
-    "only tests marked `gpu` may skip in this suite; a test the machine cannot run fails instead: install what the "
-    "reason names (make setup; make system-deps, as root)"
+    "only tests that need hardware this machine cannot have may skip (marked `gpu`, or `onednn` on a CPU oneDNN does "
+    "not support); a test the machine cannot run fails instead: install what the reason names (make setup; make "
+    "system-deps, as root)"
 )
+ONEDNN_MACHINES = ("x86_64", "amd64", "aarch64", "arm64")  # CPUs oneDNN supports: every torch build there has it
 
 
 # --- the skip rule --------------------------------------------------------------------------------------------------
+def _may_skip(item: pytest.Item) -> bool:
+    import platform
+
+    if item.get_closest_marker("gpu") is not None:
+        return True
+    return item.get_closest_marker("onednn") is not None and platform.machine().lower() not in ONEDNN_MACHINES
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    import platform
+
+    machine = platform.machine().lower()
+    for item in items:
+        if item.get_closest_marker("onednn") and machine not in ONEDNN_MACHINES:
+            item.add_marker(pytest.mark.skip(reason=f"needs oneDNN, which does not exist for {machine} CPUs"))
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_items:
         return
@@ -40,10 +56,11 @@ def _skip_reason(report: pytest.CollectReport | pytest.TestReport) -> str:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
-    """A skip of a test not marked `gpu` (a missing launcher, package or tool; an importorskip) is a failure."""
+    """A skip of a test not marked for missing hardware (a missing launcher, package or tool; an importorskip) is a
+    failure."""
     outcome = yield
     report = outcome.get_result()
-    if report.skipped and not hasattr(report, "wasxfail") and not item.get_closest_marker("gpu"):
+    if report.skipped and not hasattr(report, "wasxfail") and not _may_skip(item):
         report.outcome = "failed"
         report.longrepr = f"skipped: {_skip_reason(report)}\n{ONLY_GPU_MAY_SKIP}"
 

@@ -1,4 +1,6 @@
-"""3D convolutions routed to oneDNN on CPU (models/cpu_kernels.py) give PyTorch's results."""
+"""3D convolutions routed to oneDNN on CPU and the fast channel RMS norms (models/cpu_kernels.py) give PyTorch's and
+diffusers' results. The tests marked `onednn` need a torch build with oneDNN, which every x86-64 and aarch64 build of
+torch has: there they fail when it is missing; only on a CPU oneDNN does not support are they skipped (conftest.py)."""
 
 from __future__ import annotations
 
@@ -11,9 +13,13 @@ from distvideo.models.cpu_kernels import onednn_available, use_cpu_kernels, use_
 
 from conftest import max_abs_diff
 
-pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")
+
+@pytest.fixture
+def onednn():
+    assert onednn_available(), "this torch build has no oneDNN (every x86-64 and aarch64 build of torch has it)"
 
 
+@pytest.mark.onednn
 @pytest.mark.parametrize(
     "kwargs",
     [
@@ -23,7 +29,7 @@ pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch build
         dict(kernel_size=(3, 1, 1), padding=(1, 0, 0), groups=2),
     ],
 )
-def test_conv3d_matches_pytorch(kwargs):
+def test_conv3d_matches_pytorch(kwargs, onednn):
     torch.manual_seed(0)
     conv = nn.Conv3d(4, 6, **kwargs)
     x = torch.randn(1, 4, 3, 11, 9)
@@ -40,7 +46,8 @@ def test_conv3d_matches_pytorch(kwargs):
     assert "_conv_forward" not in vars(conv)
 
 
-def test_wan_causal_conv_uses_onednn(monkeypatch):
+@pytest.mark.onednn
+def test_wan_causal_conv_uses_onednn(monkeypatch, onednn):
     from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
 
     torch.manual_seed(1)
@@ -88,7 +95,8 @@ def test_fast_rms_norm_matches_diffusers(dtype, channel_first, images):
     assert "forward" not in vars(norm)
 
 
-def test_autograd_keeps_pytorchs_kernel():
+@pytest.mark.onednn
+def test_autograd_keeps_pytorchs_kernel(onednn):
     conv = nn.Conv3d(2, 2, 3, padding=1)
     use_onednn_conv3d(conv)
     x = torch.randn(1, 2, 2, 5, 5, requires_grad=True)
@@ -96,7 +104,8 @@ def test_autograd_keeps_pytorchs_kernel():
     assert x.grad is not None and x.grad.abs().sum() > 0
 
 
-def test_use_cpu_kernels_undoes_both():
+@pytest.mark.onednn
+def test_use_cpu_kernels_undoes_both(onednn):
     from diffusers import AutoencoderKLWan
 
     vae = AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[False])
@@ -106,7 +115,8 @@ def test_use_cpu_kernels_undoes_both():
     assert not any("_conv_forward" in vars(m) or "forward" in vars(m) for m in vae.modules())
 
 
-def test_pipeline_frames_equal_with_and_without_cpu_kernels(test_checkpoint, monkeypatch):
+@pytest.mark.onednn
+def test_pipeline_frames_equal_with_and_without_cpu_kernels(test_checkpoint, monkeypatch, onednn):
     kwargs = dict(num_frames=9, height=48, width=64, num_inference_steps=2, guidance_scale=3.0, seed=5)
     frames = {}
     for flag in ("0", "1"):
