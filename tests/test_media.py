@@ -72,9 +72,6 @@ def test_killed_while_encoding_leaves_nothing(tmp_path):
     """SIGKILL in the middle of encoding: no file at or beside the output path."""
     import os
     import signal
-    import subprocess
-    import sys
-    import time
 
     code = (
         "import sys, time, numpy as np\n"
@@ -84,10 +81,14 @@ def test_killed_while_encoding_leaves_nothing(tmp_path):
         f"write_video(np.zeros((1, 8, 8, 3), np.uint8), {str(tmp_path / 'v.mp4')!r}, encode=slow)\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().strip() == "encoding"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
-    time.sleep(0.1)
+    try:
+        assert proc.stdout.readline().strip() == "encoding"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)  # reaped: the kernel has closed its files
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+        proc.stdout.close()
     assert list(tmp_path.iterdir()) == []
 
 
@@ -229,3 +230,74 @@ def test_write_video_gives_the_same_file_twice(tmp_path):
     first = write_video(frames(), tmp_path / "a.mp4")
     second = write_video(frames().copy(order="F"), tmp_path / "b.mp4")
     assert hashlib.sha256(first.read_bytes()).digest() == hashlib.sha256(second.read_bytes()).digest()
+
+
+# --- a filesystem without O_TMPFILE -----------------------------------------------------------------------------------
+@pytest.fixture
+def no_tmpfile_dir(tmp_path):
+    """A folder on a FUSE filesystem (bindfs over a folder of tmp_path), where open(O_TMPFILE) fails: the writer's
+    named-temporary fallback. Needs bindfs and root (make system-deps; CI runs as root)."""
+    import errno
+    import os
+    import shutil
+
+    if shutil.which("bindfs") is None:
+        pytest.fail("bindfs is not installed: apt-get install -y bindfs (or: make system-deps)", pytrace=False)
+    backing, mount = tmp_path / "backing", tmp_path / "fuse"
+    backing.mkdir()
+    mount.mkdir()
+    proc = subprocess.run(["bindfs", str(backing), str(mount)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, f"bindfs could not mount (needs root and /dev/fuse): {proc.stderr}"
+    try:
+        with pytest.raises(OSError) as info:
+            os.close(os.open(mount, os.O_TMPFILE | os.O_RDWR, 0o644))
+        assert info.value.errno in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL), info.value
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], capture_output=True, timeout=60)
+
+
+@pytest.mark.fuse
+def test_writer_without_o_tmpfile_publishes_the_same_file(no_tmpfile_dir, tmp_path):
+    reference = write_video(frames(), tmp_path / "reference.mp4")
+    path = write_video(frames(), no_tmpfile_dir / "v.mp4")
+    assert path == no_tmpfile_dir / "v.mp4"
+    assert path.read_bytes() == reference.read_bytes()
+    assert sorted(p.name for p in no_tmpfile_dir.iterdir()) == ["v.mp4"], "the named temporary was not removed"
+    with pytest.raises(RuntimeError, match="encoder crashed"):
+
+        def crash(fr, file, fps):
+            file.write(b"partial")
+            raise RuntimeError("encoder crashed")
+
+        write_video(frames(), no_tmpfile_dir / "w.mp4", encode=crash)
+    assert sorted(p.name for p in no_tmpfile_dir.iterdir()) == ["v.mp4"]
+
+
+@pytest.mark.fuse
+def test_killed_while_encoding_without_o_tmpfile_leaves_only_a_hidden_partial(no_tmpfile_dir):
+    """Where O_TMPFILE does not exist the video is encoded into a hidden named file beside the output; a SIGKILL leaves
+    that file (nothing can remove it), but never anything at the output path (docs/reliability.md says so)."""
+    import os
+    import re
+    import signal
+
+    code = (
+        "import time, numpy as np\n"
+        "from distvideo.media import write_video\n"
+        "def slow(frames, file, fps):\n"
+        "    file.write(b'x' * 4096); file.flush(); print('encoding', flush=True); time.sleep(60)\n"
+        f"write_video(np.zeros((1, 8, 8, 3), np.uint8), {str(no_tmpfile_dir / 'v.mp4')!r}, encode=slow)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "encoding"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+        proc.stdout.close()
+    left = [p.name for p in no_tmpfile_dir.iterdir()]
+    assert not (no_tmpfile_dir / "v.mp4").exists()
+    assert len(left) == 1 and re.fullmatch(rf"\.distvideo-{proc.pid}-[0-9a-f]{{8}}\.partial\.mp4", left[0]), left
