@@ -15,9 +15,10 @@ import pytest
 
 from distvideo import VideoGenerator
 from distvideo.cli.main import main
+from distvideo.media import write_video
 
 from conftest import REPO, max_abs_diff
-from launchers import format_output, local_slurm, run_launcher  # noqa: F401
+from launchers import SLURM_NODES, format_output, local_slurm, run_launcher  # noqa: F401
 
 pytestmark = [pytest.mark.launcher]
 
@@ -105,3 +106,68 @@ def test_num_gpus_mismatch_is_refused(launcher, tmp_path):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+# --- the documented Slurm path, and threads per rank ------------------------------------------------------------------
+LAUNCH_REPORT = REPO / "tests" / "rank_scripts" / "launch_report.py"
+
+
+def rank_reports(out, world: int) -> list[dict]:
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.mark.slurm
+def test_srun_on_two_nodes_derives_the_rendezvous_from_the_node_list(tmp_path, single_process_frames):
+    """`srun -N 2 --ntasks-per-node=2` on the local two-node Slurm, with no MASTER_ADDR/MASTER_PORT anywhere: every rank
+    derives the rendezvous from the node list (the first node) and the job id (20000 + id % 12000, docs/launching.md),
+    the four ranks form one job, rank 0 alone writes the one video, and the frames are one rank's within 2 (4 ranks run
+    cfg=2 x sp=2, another layout)."""
+    proc = run_launcher("srun", [str(LAUNCH_REPORT), str(tmp_path), "generate"], nproc=4, nodes=2, timeout=300)
+    assert proc.returncode == 0, format_output(proc)
+    reports = rank_reports(tmp_path, 4)
+    job_id = int(reports[0]["job_id"])
+    for rank, report in enumerate(reports):
+        assert report["given"]["MASTER_ADDR"] is None and report["given"]["MASTER_PORT"] is None, report
+        assert report["launcher"] == "slurm" and report["world_size"] == 4 and report["rank"] == rank
+        assert report["node"] == SLURM_NODES[rank // 2] and report["local_rank"] == rank % 2, report
+        assert report["local_world_size"] == 2
+        assert report["master_addr"] == SLURM_NODES[0] and report["master_port"] == 20000 + job_id % 12000
+        assert report["video_path"] == (str(tmp_path / "video.mp4") if rank == 0 else None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "frames.npy",
+        *(f"rank{r}.json" for r in range(4)),
+        "video.mp4",
+    ]
+    frames = np.load(tmp_path / "frames.npy")
+    assert frames.std() > 1.0 and max_abs_diff(frames, single_process_frames) <= 2
+    # the video holds exactly those frames: the encoder is deterministic, so re-encoding them gives the same bytes
+    assert (tmp_path / "video.mp4").read_bytes() == write_video(frames, tmp_path / "again" / "v.mp4").read_bytes()
+
+
+THREAD_CASES = [
+    # launcher, ranks, OMP_NUM_THREADS set by the user (None: unset), expected threads per rank from the cores
+    # torchrun hands 2 ranks OMP_NUM_THREADS=1 of its own: overridden by cores / 2 (on a 2-core machine both are 1, so
+    # this case tells them apart only on bigger machines; the mpirun cases do here)
+    pytest.param("torchrun", 2, None, lambda cores: max(1, cores // 2), id="torchrun-2-ranks"),
+    # under Open MPI torch alone runs 1 thread (MKL's default under MPI): the policy gives the rank every core
+    pytest.param("mpirun", 1, None, lambda cores: cores, id="mpirun-1-rank", marks=pytest.mark.mpi),
+    pytest.param("mpirun", 2, None, lambda cores: max(1, cores // 2), id="mpirun-2-ranks", marks=pytest.mark.mpi),
+    # the user's OMP_NUM_THREADS wins over cores / ranks
+    pytest.param("mpirun", 1, "1", lambda cores: 1, id="mpirun-1-rank-user-omp-1", marks=pytest.mark.mpi),
+]
+
+
+@pytest.mark.parametrize(("launcher", "ranks", "omp", "expected"), THREAD_CASES)
+def test_threads_per_rank(launcher, ranks, omp, expected, tmp_path):
+    """Each rank runs about cores on the node / ranks on the node intra-op threads, unless the user set
+    OMP_NUM_THREADS; torchrun's own OMP_NUM_THREADS=1 (set when the user did not) does not count as the user's."""
+    env = {"OMP_NUM_THREADS": omp} if omp is not None else {}
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("OMP_NUM_THREADS", "DISTVIDEO_NUM_THREADS"):
+            mp.delenv(name, raising=False)  # the user's shell must not decide the case
+        proc = run_launcher(launcher, [str(LAUNCH_REPORT), str(tmp_path)], nproc=ranks, env=env, timeout=300)
+    assert proc.returncode == 0, format_output(proc)
+    for report in rank_reports(tmp_path, ranks):
+        if launcher == "torchrun" and omp is None:
+            assert report["given"]["OMP_NUM_THREADS"] == "1", report  # what torchrun hands over
+        assert report["threads"] == expected(report["cores"]), report

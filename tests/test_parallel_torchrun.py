@@ -105,7 +105,10 @@ def _check_frames(run: dict, single_rank: dict, name: str, model: str, request: 
     reference = single_rank[(model, request)]
     assert reference.std() > 1.0, "flat frames would prove nothing"
     assert frames.shape == reference.shape
-    assert max_abs_diff(frames, reference) <= 2
+    if name.startswith("cfg2-"):  # each rank runs one branch with one rank's arithmetic: bit for bit
+        assert np.array_equal(frames, reference), f"cfg=2 differs from one rank by {max_abs_diff(frames, reference)}"
+    else:  # sequence parallelism reorders sums: within 2 on uint8
+        assert max_abs_diff(frames, reference) <= 2
     has_frames = run["report"][f"{name}-{request}"]["has_frames"]
     assert has_frames == [True] + [False] * (len(has_frames) - 1), "frames only on rank 0"
 
