@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import types
 
 import pytest
 import torch
@@ -11,6 +10,8 @@ import torch
 from distvideo.cli import bench
 from distvideo.cli.main import main
 from distvideo.models.flops import wan_transformer_flops, wan_transformer_flops_breakdown
+
+from launchers import format_output, run_launcher
 
 # 1 layer, 2 heads x 4 = dim 8, ffn 16; latents (1, 4, 2, 4, 6) -> 2 x 2 x 3 = 12 tokens; 5 text tokens
 TINY = {
@@ -177,46 +178,43 @@ def test_bad_input_exits_2_before_loading(extra, named, tmp_path, capsys, monkey
     assert list(tmp_path.iterdir()) == []
 
 
-class _FakeWorker:
-    def __init__(self, rank: int):
-        self.rank, self.device = rank, torch.device("cpu")
-        self.config = types.SimpleNamespace(dtype=None)
+def check_multi_rank_report(report: dict, executor: str) -> None:
+    """What a 2-rank report must hold: no diffusers side (it runs on one rank) with a note saying so, and every rank's
+    own peak memory, the largest of which is the headline figure."""
+    assert report["diffusers"] is None and report["ratio_e2e"] is None and report["ratios"] is None
+    assert any("skipped" in note and "2 ranks" in note for note in report["notes"]), report["notes"]
+    env = report["env"]
+    assert env["world_size"] == 2 and env["executor"] == executor and len(env["threads_per_rank"]) == 2
+    ours = report["distvideo"]
+    peaks = ours["peak_memory_mb_per_rank"]
+    assert len(peaks) == 2 and all(p > 100 for p in peaks), peaks  # each rank is a process holding torch and a model
+    assert ours["peak_memory_mb"] == max(peaks)
+    assert 0 < ours["mfu"] < 1 and _is_positive_number(ours["e2e_s"])
+    assert len(report["runs"]) == 1 and len(report["runs"][0]["distvideo"]["peak_memory_mb_per_rank"]) == 2
+    assert report["config"]["transformer_forwards"] == 4  # 2 steps x 2 branches, as on one rank
 
 
-class _FakeGenerator:
-    """Two ranks in one process: enough to check what the report makes of several ranks."""
-
-    world_size = 2
-    is_output_rank = True
-    config = types.SimpleNamespace(executor="external", sp_size=2, cfg_parallel=False)
-
-    def __init__(self):
-        self.workers = [_FakeWorker(0), _FakeWorker(1)]
-
-    def collective_rpc(self, method, args=(), kwargs=None, timeout=None):
-        return [method(w, *args, **(kwargs or {})) for w in self.workers]
-
-    def generate_request(self, request):
-        timings = {"text_encoding": 0.1, "denoising": 2.0, "per_step_denoising": 1.0, "decoding": 0.5, "total": 2.7}
-        return types.SimpleNamespace(timings=timings, frames=None)
+BENCH_2 = [*SMALL, "--runs", "1", "--warmup", "0", "--compare", "diffusers", "--no-progress"]
 
 
-def test_multi_rank_report_skips_diffusers_and_sums_rank_peaks(embedded_model, monkeypatch):
-    monkeypatch.setattr(bench, "measure_matmul_flops", lambda device, dtype, size: 1e9)
-    monkeypatch.setattr(bench, "DiffusersBaseline", lambda spec: pytest.fail("diffusers started on 2 ranks"))
-    plan = bench.plan_from_args(bench_args(embedded_model, ["--runs", "2", "--warmup", "1", "--compare", "diffusers"]))
-    report = bench.run_bench(_FakeGenerator(), plan, plan.request, show_progress=False)
-    assert report["diffusers"] is None and report["ratio_e2e"] is None
-    assert "skipped" in report["notes"][0] and "2 ranks" in report["notes"][0]
-    assert len(report["runs"]) == 2 and report["env"]["world_size"] == 2
-    assert len(report["distvideo"]["peak_memory_mb_per_rank"]) == 2
-    assert report["matmul_peak_flops"] == 2e9  # the machine's peak: every rank's, measured at once
-    expected = plan.model_flops / 2.0 / 2e9
-    assert report["distvideo"]["mfu"] == pytest.approx(expected)
-    assert "skipped" in bench.format_report(report)
+@pytest.mark.slow
+def test_bench_on_two_mp_ranks(tmp_path, embedded_model, capsys, monkeypatch):
+    monkeypatch.setattr(bench, "DiffusersBaseline", lambda *a, **k: pytest.fail("diffusers started for 2 ranks"))
+    out = tmp_path / "mp.json"
+    assert main(["bench", "--model", str(embedded_model), "--num-gpus", "2", *BENCH_2, "--json", str(out)]) == 0
+    check_multi_rank_report(json.loads(out.read_text()), "mp")
+    assert "skipped" in capsys.readouterr().out
 
 
-def bench_args(model, extra):
-    from distvideo.cli.main import build_parser
-
-    return build_parser().parse_args(["bench", "--model", str(model), *SMALL, *extra])
+@pytest.mark.launcher
+@pytest.mark.slow
+def test_bench_under_torchrun(tmp_path, embedded_model):
+    """Every rank runs the same command; rank 0 alone writes the report."""
+    out = tmp_path / "reports"
+    out.mkdir()
+    argv = ["-m", "distvideo", "bench", "--model", str(embedded_model), *BENCH_2, "--json", str(out / "bench.json")]
+    proc = run_launcher("torchrun", argv, nproc=2, timeout=400)
+    assert proc.returncode == 0, format_output(proc)
+    assert [p.name for p in out.iterdir()] == ["bench.json"]
+    check_multi_rank_report(json.loads((out / "bench.json").read_text()), "auto")
+    assert proc.stdout.count("wrote ") == 1, proc.stdout

@@ -45,6 +45,8 @@ FOUR_RANKS = [
 ]
 # latent shapes for the float-level check of the banded decode: even rows, and 7 rows split unevenly
 DECODE_CHECKS = [[1, 16, 2, 8, 6], [1, 16, 2, 7, 5]]
+# a latent that diffusers' tiled decode (32 px tiles) splits into tiles: the banded decoder must step aside
+TILING_CHECKS = [[1, 16, 2, 8, 8]]
 
 
 def _launch(tmp: Path, engines: list[tuple], nproc: int, models: dict[str, Path], decode_checks=()) -> dict:
@@ -56,6 +58,7 @@ def _launch(tmp: Path, engines: list[tuple], nproc: int, models: dict[str, Path]
             "cfg_parallel": cfg,
             "requests": [{"name": r, "kwargs": REQUESTS[r]} for r in requests],
             "decode_checks": list(decode_checks) if i == 0 else [],
+            "tiling_checks": TILING_CHECKS if i == 0 and decode_checks else [],
             "text_check": model == "embedded",
         }
         for i, (name, model, sp, cfg, requests) in enumerate(engines)
@@ -160,6 +163,15 @@ def test_banded_decode_is_exact(two_ranks):
         diffs = two_ranks["report"][f"sp2-embedded-decode{i}"]
         assert diffs[1] is None, "the decoded video lands on rank 0 only"
         assert diffs[0] is not None and diffs[0] <= 1e-4, f"{DECODE_CHECKS[i]}: banded vs single {diffs[0]}"
+
+
+def test_tiled_decode_falls_back_to_rank_0_alone(two_ranks):
+    """With diffusers' tiled decode on, tiles blend overlaps across rows: the banded decoder steps aside and rank 0
+    decodes alone, exactly as one rank would, with no halo exchange or gather on any rank."""
+    for i in range(len(TILING_CHECKS)):
+        (diff0, halos0, gathers0), (diff1, halos1, gathers1) = two_ranks["report"][f"sp2-embedded-tiled{i}"]
+        assert diff0 == 0.0 and diff1 is None, (diff0, diff1)
+        assert (halos0, gathers0, halos1, gathers1) == (0, 0, 0, 0)
 
 
 def test_decode_uses_every_rank_or_falls_back_to_fewer(two_ranks, four_ranks):

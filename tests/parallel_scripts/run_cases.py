@@ -8,7 +8,9 @@ them all). Rank 0 saves each request's frames as OUT_DIR/<engine>-<request>.npy 
 the collectives counted per request: real calls of torch.distributed.all_to_all_single (patched here) and the plans'
 own counters. An engine may also ask for "decode_checks": latent shapes decoded with the banded decoder and on one
 rank, whose float difference goes into the report; and for "text_check": the largest difference between the
-embeddings of the "local" and "broadcast" text-encoding strategies, per rank.
+embeddings of the "local" and "broadcast" text-encoding strategies, per rank; and for "tiling_checks": latent shapes
+decoded with diffusers' tiled decode enabled (small tiles, so it tiles), where the banded decoder must fall back to
+rank 0 alone: the float difference from a plain tiled decode, the halo exchanges and gathers made, per rank.
 """
 
 from __future__ import annotations
@@ -66,6 +68,30 @@ def decode_check(worker: Any, shape: list[int], seed: int) -> float | None:
     return float((banded - single).abs().max())
 
 
+def tiling_check(worker: Any, shape: list[int], seed: int) -> tuple[float | None, int, int]:
+    """(max abs difference between the parallel decode and a one-rank tiled decode on rank 0, or None elsewhere; halo
+    exchanges; gathers) with tiling on; tiling is switched off again afterwards."""
+    vae = worker.pipeline.vae
+    latents = torch.randn(shape, generator=torch.Generator("cpu").manual_seed(seed)).to(worker.device)
+    vae.enable_tiling(
+        tile_sample_min_height=32, tile_sample_min_width=32, tile_sample_stride_height=16, tile_sample_stride_width=16
+    )
+    counts = worker.parallel.vae_decoder.counts
+    counts.clear()
+    try:
+        with torch.no_grad():
+            parallel = worker.parallel.decode(latents)
+            made = (counts.get("halo_exchange", 0), counts.get("gather", 0))
+            if parallel is None:
+                return None, *made
+            single = vae.decode(latents, return_dict=False)[0]
+    finally:
+        vae.disable_tiling()
+    untiled = vae.decode(latents, return_dict=False)[0]
+    assert not torch.equal(untiled, single), "the tiles were too large to tile: the check would prove nothing"
+    return float((parallel - single).abs().max()), *made
+
+
 def text_check(worker: Any) -> float:
     """Max abs difference between the embeddings each strategy gives this rank (where both give one)."""
     from distvideo.config import GenerationRequest
@@ -114,6 +140,8 @@ def main() -> None:
                 report[f"{case['name']}-text"] = gen.collective_rpc(text_check)
             for i, shape in enumerate(case.get("decode_checks", [])):
                 report[f"{case['name']}-decode{i}"] = gen.collective_rpc(decode_check, args=(shape, i))
+            for i, shape in enumerate(case.get("tiling_checks", [])):
+                report[f"{case['name']}-tiled{i}"] = gen.collective_rpc(tiling_check, args=(shape, i))
         if dist.get_rank() == 0:
             (out / "report.json").write_text(json.dumps(report, indent=1))
         dist.barrier()
