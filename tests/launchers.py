@@ -534,8 +534,8 @@ def run_launcher(
     when the launcher is missing; starts the local Slurm for srun. On timeout the launcher and every rank are killed
     and ``LauncherTimeout`` (an AssertionError) is raised with the output. ``check=True`` fails the test on a non-zero
     return code. ``python=False`` runs ``argv[0]`` as an executable (torchrun ``--no-python``); ``kill_on_bad_exit``
-    is srun's ``--kill-on-bad-exit``. An MPI launch whose rank 0 found its MASTER_PORT taken is started again with a
-    new port (up to 3 times).
+    is srun's ``--kill-on-bad-exit``. An MPI or srun launch whose rank 0 found its rendezvous port taken is started
+    again with a new port (up to 3 times).
     """
     require_launcher(launcher)
     env = dict(env or {})
@@ -572,7 +572,9 @@ def run_launcher(
         proc = run_command(
             cmd, env=child_env, timeout=timeout, cwd=cwd, on_timeout=on_timeout, timeout_from=timeout_from
         )
-        retry = launcher in ("mpirun", "mpich") and "MASTER_PORT" not in env and attempt < 2
+        # MPI ranks bind a port that was free a moment ago; srun ranks one derived from the job id (a new job, a new
+        # port): another process holding it is the machine's doing, not the product's
+        retry = launcher in ("mpirun", "mpich", "srun") and "MASTER_PORT" not in env and attempt < 2
         if not (retry and proc.returncode != 0 and port_was_taken(proc.stdout + proc.stderr)):
             break
     if check and proc.returncode != 0:

@@ -115,8 +115,9 @@ class HandStarted:
 
     def kill(self) -> None:
         for p in self.procs:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(p.pid, signal.SIGKILL)
+            if p.poll() is None:  # a finished rank's group id may already belong to someone else
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(p.pid, signal.SIGKILL)
             p.wait(10)
 
     def output(self) -> str:
@@ -293,10 +294,14 @@ def waiting_jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Job]:
     specs = {"stuck": ("stuck", (0, 1)), "fails_alone": ("fails_alone", (0, 1))}
     specs |= {"alone0": ("never_joins", (0,)), "alone1": ("never_joins", (1,))}
     started = {}
-    for name, (scenario, ranks) in specs.items():
-        out = tmp_path_factory.mktemp(name)
-        started[name] = (out, HandStarted([str(SCRIPT), str(out), scenario], out, ranks=ranks))
-    return {name: Job(out, job.wait(LAUNCH_TIMEOUT), job.output()) for name, (out, job) in started.items()}
+    try:
+        for name, (scenario, ranks) in specs.items():
+            out = tmp_path_factory.mktemp(name)
+            started[name] = (out, HandStarted([str(SCRIPT), str(out), scenario], out, ranks=ranks))
+        return {name: Job(out, job.wait(LAUNCH_TIMEOUT), job.output()) for name, (out, job) in started.items()}
+    finally:
+        for _, job in started.values():  # none is left running when one of them fails the fixture
+            job.kill()
 
 
 @pytest.mark.parametrize("rank", [0, 1])
