@@ -216,5 +216,5 @@ def test_bench_under_torchrun(tmp_path, embedded_model):
     proc = run_launcher("torchrun", argv, nproc=2, timeout=400)
     assert proc.returncode == 0, format_output(proc)
     assert [p.name for p in out.iterdir()] == ["bench.json"]
-    check_multi_rank_report(json.loads((out / "bench.json").read_text()), "auto")
+    check_multi_rank_report(json.loads((out / "bench.json").read_text()), "external")
     assert proc.stdout.count("wrote ") == 1, proc.stdout

@@ -1,8 +1,8 @@
 """One contract for every executor: inline (1 rank), mp (2 spawned ranks), external (2 ranks under torchrun).
 
 Rank-ordered collective_rpc results; the same RuntimeError text for a failure planted on one rank; the
-executor usable after a failure; the single-rank frames, bit for bit (2 ranks run the cfg=2 layout, which is
-exact); output only on the output rank; shutdown idempotent, leaving no worker process, no executor thread and
+executor usable after a failure; the same frames, bit for bit, for the same layout on mp and external (and one
+rank's within 2); output only on the output rank; shutdown idempotent, leaving no worker process, no executor thread and
 no process group behind.
 
 Each executor runs once per module (`runs`), whichever test asks first: every test passes alone and in any order.
@@ -17,7 +17,7 @@ import pytest
 
 from distvideo import VideoGenerator
 
-from conftest import REPO
+from conftest import REPO, max_abs_diff
 from contract_checks import PROMPT, REQUEST, expected_failure_text, observe, thread_ids
 from launchers import format_output, run_launcher
 from processes import wait_gone
@@ -91,9 +91,10 @@ def test_executor_contract(executor, runs, reference_frames):
     assert len(output) == 1 and output[0]["has_frames"], "exactly one output rank holds the frames"
     assert all(not obs["has_frames"] for obs in observations if not obs["is_output_rank"])
     assert len(pids) == world, "one process per rank"
-    # inline: 1 rank; mp and external: 2 ranks on the cfg=2 layout, which reproduces one rank bit for bit
+    # 1 rank in this process, or 2 ranks on the cfg=2 layout: one rank's frames within 2 (test_parallel_torchrun.py says
+    # why cfg=2 is not bit for bit against one rank)
     assert frames is not None and frames.std() > 1.0
-    assert np.array_equal(frames, reference_frames)
+    assert max_abs_diff(frames, reference_frames) <= 2
     if executor == "mp":  # the spawned workers are gone after shutdown
         assert wait_gone(pids, within=10) == [], pids
 

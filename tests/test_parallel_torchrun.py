@@ -108,10 +108,11 @@ def _check_frames(run: dict, single_rank: dict, name: str, model: str, request: 
     reference = single_rank[(model, request)]
     assert reference.std() > 1.0, "flat frames would prove nothing"
     assert frames.shape == reference.shape
-    if name.startswith("cfg2-"):  # each rank runs one branch with one rank's arithmetic: bit for bit
-        assert np.array_equal(frames, reference), f"cfg=2 differs from one rank by {max_abs_diff(frames, reference)}"
-    else:  # sequence parallelism reorders sums: within 2 on uint8
-        assert max_abs_diff(frames, reference) <= 2
+    # within 2 on uint8, cfg=2 included: each of its ranks runs one branch with one rank's operations, yet in another
+    # process set up otherwise (threads, the banded decode), and it measured 1 level off one rank at 9 x 48 x 48 and
+    # 9 x 48 x 80, even against a one-rank reference computed with the ranks' thread count. The same layout on two
+    # executors is bit for bit (test_executor_contract.py).
+    assert max_abs_diff(frames, reference) <= 2
     has_frames = run["report"][f"{name}-{request}"]["has_frames"]
     assert has_frames == [True] + [False] * (len(has_frames) - 1), "frames only on rank 0"
 
@@ -158,11 +159,17 @@ def test_collective_counts(launch, request):
                 assert reused == want["text_projection_reused"], where
 
 
+# the largest float difference measured between the banded and the one-rank decode of these latents (1.14e-05 and
+# 5.2e-06 on this machine; docs/parallel.md quotes them): float rounding, not a wrong row
+BANDED_DECODE_MAX_DIFF = 2e-5
+
+
 def test_banded_decode_is_exact(two_ranks):
     for i in range(len(DECODE_CHECKS)):
         diffs = two_ranks["report"][f"sp2-embedded-decode{i}"]
         assert diffs[1] is None, "the decoded video lands on rank 0 only"
-        assert diffs[0] is not None and diffs[0] <= 1e-4, f"{DECODE_CHECKS[i]}: banded vs single {diffs[0]}"
+        print(f"FIGURE banded vs one-rank decode of latents {DECODE_CHECKS[i]}: max abs difference {diffs[0]:.2e}")
+        assert diffs[0] is not None and diffs[0] <= BANDED_DECODE_MAX_DIFF, f"{DECODE_CHECKS[i]}: {diffs[0]}"
 
 
 def test_tiled_decode_falls_back_to_rank_0_alone(two_ranks):
