@@ -75,6 +75,16 @@ def pytest_make_collect_report(collector: pytest.Collector):
         report.longrepr = f"module skipped: {_skip_reason(report)}\n{ONLY_GPU_MAY_SKIP}"
 
 
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """The order's seed, also under -q (which hides pytest-randomly's header line): rerun an order with
+    `-p randomly --randomly-seed=N`."""
+    seed = getattr(config.option, "randomly_seed", None)
+    if seed is not None and config.pluginmanager.hasplugin("randomly"):
+        terminalreporter.write_line(f"test order: pytest-randomly seed {seed} (rerun it with --randomly-seed={seed})")
+    elif not config.pluginmanager.hasplugin("randomly"):
+        terminalreporter.write_line("test order: the files' order (pytest-randomly is off)")
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     launchers = sys.modules.get("launchers")
     if launchers is not None:
