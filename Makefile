@@ -22,7 +22,7 @@ typecheck: setup
 	$(VENV)/bin/mypy $(SRC)/launch.py $(SRC)/envs.py $(SRC)/config.py $(SRC)/executors
 
 pytest: setup system-deps
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 test: setup system-deps lint typecheck pytest
 
