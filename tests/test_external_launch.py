@@ -27,6 +27,8 @@ LAUNCH_PARAMS = [
     pytest.param("srun", id="srun", marks=pytest.mark.slurm),
     pytest.param("mpirun", id="mpirun", marks=pytest.mark.mpi),
 ]
+# MPICH's mpiexec (PMI_RANK, PMI_SIZE, MPI_LOCALRANKID), installed beside Open MPI: the API script only
+API_PARAMS = [*LAUNCH_PARAMS, pytest.param("mpich", id="mpich", marks=pytest.mark.mpi)]
 SMALL = ["--num-frames", "5", "--height", "32", "--width", "48", "--steps", "2", "--seed", "5"]
 REQUEST = dict(num_frames=5, height=32, width=48, num_inference_steps=2, seed=5)
 
@@ -57,13 +59,13 @@ def test_generate_command_writes_one_video_equal_to_single_process(launcher, tmp
     assert (out_dir / "v.mp4").read_bytes() == single_process_video
 
 
-@pytest.mark.parametrize("launcher", LAUNCH_PARAMS)
+@pytest.mark.parametrize("launcher", API_PARAMS)
 def test_api_under_launcher(launcher, tmp_path, single_process_frames):
     script = REPO / "tests" / "rank_scripts" / "external_api.py"
     proc = run_launcher(launcher, [str(script), str(tmp_path)], nproc=2, timeout=300)
     assert proc.returncode == 0, format_output(proc)
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
-    expected_launcher = {"torchrun": "torchrun", "srun": "slurm", "mpirun": "mpi"}[launcher]
+    expected_launcher = {"torchrun": "torchrun", "srun": "slurm", "mpirun": "mpi", "mpich": "mpi"}[launcher]
     for rank, rep in enumerate((r0, r1)):
         assert rep["executor"] == "ExternalExecutor" and rep["world_size"] == 2
         assert rep["launcher"] == expected_launcher
