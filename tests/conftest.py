@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -108,7 +109,7 @@ def test_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def no_weights_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
+def no_weights_loaded(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """A tripwire: loading model weights in this process fails the test. Replaces distvideo's `load_components` in
     every module that holds it (wherever the engine calls it from), so a request that had to be refused before any
     loading cannot get that far unnoticed. `test_api.py::test_the_load_tripwire_catches_a_load` checks it fires."""
@@ -125,6 +126,12 @@ def no_weights_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
             monkeypatch.setattr(module, "load_components", refuse)
             patched.append(name)
     assert "distvideo.models.loading" in patched, patched
+    yield
+    # a module first imported during the test (`from distvideo.models.loading import load_components`) took the
+    # tripwire itself, which monkeypatch does not know to undo: put the real function back there too
+    for name, module in list(sys.modules.items()):
+        if name.startswith("distvideo") and getattr(module, "load_components", None) is refuse:
+            module.load_components = original
 
 
 # --- references and comparisons -------------------------------------------------------------------------------------
