@@ -56,6 +56,24 @@ def read_float(path: Path) -> float | None:
     return None
 
 
+def leaked_shared_memory(before: set[str], within: float = 10.0) -> set[str]:
+    """Segments in /dev/shm that appeared since `before`, still exist after up to `within` seconds and are mapped by no
+    live process: leaked. /dev/shm is the machine's: other test sessions' segments come and go meanwhile (a frames
+    segment lives for milliseconds) or are mapped by their processes, and are not counted."""
+    deadline = time.monotonic() + within
+    while True:
+        new = set(os.listdir("/dev/shm")) - before
+        if not new or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    mapped: set[str] = set()
+    for pid in psutil.pids():
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/maps") as maps:
+                mapped |= {line.rsplit("/dev/shm/", 1)[1].strip() for line in maps if "/dev/shm/" in line}
+    return {name for name in new if name not in mapped and os.path.exists(f"/dev/shm/{name}")}
+
+
 # --- starting ranks -------------------------------------------------------------------------------------------------
 def hand_started_env(rank: int, world_size: int, port: int, env: dict[str, str] | None = None) -> dict[str, str]:
     """What a user sets to start a rank by hand (no launcher)."""
@@ -496,7 +514,7 @@ def mp_faults_checks(running: Running, tmp_path: Path, shm_before: set[str]) -> 
     assert [p.name for p in tmp_path.iterdir()] == []
     # a SIGKILLed worker leaves nothing behind: no named semaphore or shared-memory segment, so no warning at exit
     assert "resource_tracker" not in text and "leaked" not in text, text
-    assert set(os.listdir("/dev/shm")) - shm_before == set()
+    assert leaked_shared_memory(shm_before) == set()
 
 
 if __name__ == "__main__":
