@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from distvideo.cli import bench
+from distvideo import bench
 from distvideo.cli.main import main
 from distvideo.models.flops import wan_transformer_flops, wan_transformer_flops_breakdown
 
@@ -172,7 +172,7 @@ def test_bad_input_exits_2_before_loading(extra, named, tmp_path, capsys, monkey
         raise AssertionError("model weights were loaded for a bad request")
 
     monkeypatch.setattr(distvideo.worker, "load_components", no_loading)
-    monkeypatch.setattr(bench, "DiffusersBaseline", no_loading)
+    monkeypatch.setattr(bench.run, "DiffusersBaseline", no_loading)
     args = ["bench", *SMALL, "--compare", "diffusers", "--json", str(tmp_path / "out.json"), *extra]
     assert main(args) == 2
     assert named in capsys.readouterr().err
@@ -190,7 +190,8 @@ class _FakeGenerator:
 
     world_size = 2
     is_output_rank = True
-    config = types.SimpleNamespace(executor="external", sp_size=2, cfg_parallel=False)
+    config = types.SimpleNamespace(executor="external")
+    engine = types.SimpleNamespace(layout=types.SimpleNamespace(sp_size=2, cfg_enabled=False))
 
     def __init__(self):
         self.workers = [_FakeWorker(0), _FakeWorker(1)]
@@ -204,8 +205,8 @@ class _FakeGenerator:
 
 
 def test_multi_rank_report_skips_diffusers_and_sums_rank_peaks(embedded_model, monkeypatch):
-    monkeypatch.setattr(bench, "measure_matmul_flops", lambda device, dtype, size: 1e9)
-    monkeypatch.setattr(bench, "DiffusersBaseline", lambda spec: pytest.fail("diffusers started on 2 ranks"))
+    monkeypatch.setattr(bench.measure, "measure_matmul_flops", lambda device, dtype, size: 1e9)
+    monkeypatch.setattr(bench.run, "DiffusersBaseline", lambda spec: pytest.fail("diffusers started on 2 ranks"))
     plan = bench.plan_from_args(bench_args(embedded_model, ["--runs", "2", "--warmup", "1", "--compare", "diffusers"]))
     report = bench.run_bench(_FakeGenerator(), plan, plan.request, show_progress=False)
     assert report["diffusers"] is None and report["ratio_e2e"] is None

@@ -17,12 +17,16 @@ from typing import Any
 
 import yaml
 
+from distvideo.errors import ConfigError
+
 EXECUTORS = ("auto", "inline", "mp", "external")
 DTYPES = ("float32", "bfloat16", "float16")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
-class ConfigError(ValueError):
-    """Bad input or configuration: the CLI exits with code 2 and nothing is written."""
+def _option(help: str, default: Any = None, **cli: Any) -> Any:
+    """A config field with what its command-line flag needs (distvideo.cli.arguments builds the flags from these)."""
+    return field(default=default, metadata={"help": help, **cli})
 
 
 @dataclass
@@ -46,15 +50,39 @@ class LoraSpec:
 
 @dataclass
 class EngineConfig:
-    model: str | None = None
-    num_gpus: int | None = None
-    executor: str = "auto"
-    sp_size: int | None = None
-    cfg_parallel: bool | None = None
-    dist_timeout: float | None = None
-    device: str | None = None
-    dtype: str | None = None
-    lora: list[LoraSpec] = field(default_factory=list)
+    """How the engine runs. Fields left None take their default when the engine is resolved (`with_defaults`):
+    the environment's (distvideo.envs) for the switches, the launcher's or the machine's for the rest."""
+
+    model: str | None = _option("diffusers-format checkpoint folder (default: the embedded tiny model)")
+    num_gpus: int | None = _option("number of ranks (default 1, or the launcher's world size)")
+    executor: str = _option("how ranks exist", "auto", choices=EXECUTORS)
+    sp_size: int | None = _option("sequence-parallel degree (default: automatic)")
+    cfg_parallel: bool | None = _option("run the two guidance branches on two halves of the ranks (default: auto)")
+    dist_timeout: float | None = _option("seconds a collective may wait for a peer", parse="seconds")
+    device: str | None = _option("e.g. cpu, cuda, cuda:1 (default: automatic)")
+    dtype: str | None = _option("transformer and text-encoder dtype (default: bfloat16 on GPU)", choices=DTYPES)
+    lora: list[LoraSpec] = field(
+        default_factory=list,
+        metadata={"help": "LoRA adapter PATH[:STRENGTH]; repeat to stack", "parse": "lora", "metavar": "PATH[:S]"},
+    )
+    compact_text_padding: bool | None = _option(
+        "cross-attend to the text padding as one weighted key (exact; default on, DISTVIDEO_COMPACT_TEXT_PADDING)"
+    )
+    cpu_kernels: bool | None = _option("oneDNN 3D convolutions and fast RMS norms on CPU (default on)")
+    progress: bool | None = _option("show the denoising progress bar on the output rank (default on)")
+    log_level: str | None = _option("log level of distvideo's logger (default INFO)", choices=LOG_LEVELS)
+
+    def with_defaults(self) -> EngineConfig:
+        """A copy where the switches left None take the environment's defaults (the one place they are read)."""
+        from distvideo import envs
+
+        return dataclasses.replace(
+            self,
+            compact_text_padding=_default(self.compact_text_padding, envs.get("DISTVIDEO_COMPACT_TEXT_PADDING")),
+            cpu_kernels=_default(self.cpu_kernels, envs.get("DISTVIDEO_CPU_KERNELS")),
+            progress=_default(self.progress, not envs.get("DISTVIDEO_NO_PROGRESS")),
+            log_level=(self.log_level or envs.get("DISTVIDEO_LOG_LEVEL")).upper(),
+        )
 
     def validate(self) -> None:
         if self.executor not in EXECUTORS:
@@ -70,6 +98,10 @@ class EngineConfig:
         for spec in self.lora:
             if not 0.0 <= abs(spec.strength) < 1e6:
                 raise ConfigError(f"lora strength {spec.strength} for {spec.path} is not a finite number")
+        if self.log_level is not None and (
+            not isinstance(self.log_level, str) or self.log_level.upper() not in LOG_LEVELS
+        ):
+            raise ConfigError(f"log_level={self.log_level!r} is not a log level; choose one of {', '.join(LOG_LEVELS)}")
 
 
 @dataclass
@@ -96,13 +128,7 @@ class GenerationRequest:
             raise ConfigError("prompt: must be a non-empty text, e.g. --prompt 'a cat surfing a wave'")
         if self.negative_prompt is not None and not isinstance(self.negative_prompt, str):
             raise ConfigError(f"negative_prompt: must be a text, got {type(self.negative_prompt).__name__}")
-        _check_int("num_frames", self.num_frames, minimum=1)
-        if self.num_frames is not None and (self.num_frames - 1) % 4 != 0:
-            lower = (self.num_frames - 1) // 4 * 4 + 1
-            raise ConfigError(
-                f"num_frames={self.num_frames} must be of the form 4k+1 (the VAE packs 4 frames per latent "
-                f"frame after the first); try {lower} or {lower + 4}"
-            )
+        _check_int("num_frames", self.num_frames, minimum=1)  # the model's VAE sets which counts (4k+1 for Wan)
         _check_int("height", self.height, minimum=1)
         _check_int("width", self.width, minimum=1)
         _check_int("num_inference_steps", self.num_inference_steps, minimum=1, flag="--steps")
@@ -128,6 +154,10 @@ class GenerationRequest:
         """The fields every rank must agree on (all of them: the output path only matters on rank 0,
         but a difference there is still a sign of a divergent script)."""
         return dataclasses.asdict(self)
+
+
+def _default(value: bool | None, default: Any) -> bool:
+    return bool(default) if value is None else value
 
 
 def _check_int(name: str, value: Any, *, minimum: int, flag: str | None = None) -> None:

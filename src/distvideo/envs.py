@@ -110,6 +110,13 @@ _declare(
     "TORCHELASTIC_RUN_ID", _str, None, "Set by torchrun; tells that OMP_NUM_THREADS=1 came from torchrun.", "other"
 )
 _declare(
+    "GLOO_SOCKET_IFNAME",
+    _str,
+    None,
+    "Network interface gloo binds to; the mp executor sets it to the loopback interface in its workers.",
+    "other",
+)
+_declare(
     "CUDA_VISIBLE_DEVICES", _str, None, "GPUs visible to this process (reported in errors about devices).", "other"
 )
 

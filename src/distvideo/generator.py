@@ -3,7 +3,6 @@ on the output rank."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 import weakref
@@ -15,12 +14,11 @@ from typing import Any
 import numpy as np
 
 from distvideo.config import ConfigError, EngineConfig, GenerationRequest, LoraSpec
-from distvideo.executors.base import Executor
-from distvideo.launch import launcher_rank_present, read_launch_environ
+from distvideo.engine import ResolvedEngine
+from distvideo.executors import Executor, create_executor, resolve_engine
 from distvideo.logging_utils import configure_logging
 from distvideo.media import resolve_output_path, write_video
-from distvideo.models.registry import ModelInfo, probe_model
-from distvideo.parallel.layout import resolve_layout
+from distvideo.models.registry import ModelInfo
 
 logger = logging.getLogger(__name__)
 
@@ -35,53 +33,11 @@ class GenerationResult:
     request: GenerationRequest | None = None
 
 
-def embedded_model_path() -> Path:
-    from distvideo.models.embedded import embedded_model_path as path
-
-    return path()
-
-
-def choose_executor(config: EngineConfig, launcher_present: bool) -> str:
-    if config.executor != "auto":
-        return config.executor
-    if launcher_present:
-        return "external"
-    return "mp" if (config.num_gpus or 1) > 1 else "inline"
-
-
-def world_size_for(kind: str, config: EngineConfig) -> int:
-    """How many ranks executor `kind` will run, known before any process starts or weight loads."""
-    if kind == "external":
-        from distvideo.executors.external import resolve_external_env
-
-        return resolve_external_env(config).world_size
-    return config.num_gpus or 1
-
-
-def build_executor(kind: str, config: EngineConfig, info: ModelInfo) -> Executor:
-    if kind == "inline":
-        if (config.num_gpus or 1) != 1:
-            raise ConfigError(f"executor='inline' runs one rank; num_gpus={config.num_gpus} needs executor 'mp'")
-        from distvideo.executors.inline import InlineExecutor
-
-        return InlineExecutor(config, info)
-    if kind == "external":
-        from distvideo.executors.external import ExternalExecutor
-
-        return ExternalExecutor(config, info)
-    if kind == "mp":
-        from distvideo.executors.mp import MultiprocExecutor
-
-        return MultiprocExecutor(config, info)
-    raise ConfigError(f"executor={kind!r} is not supported")
-
-
 class VideoGenerator:
     """Generate videos with a diffusers-format checkpoint on one or many ranks."""
 
-    def __init__(self, config: EngineConfig, executor: Executor, model_info: ModelInfo):
-        self.config = config
-        self.model_info = model_info
+    def __init__(self, engine: ResolvedEngine, executor: Executor):
+        self.engine = engine
         self._executor: Executor | None = executor
         self._finalizer = weakref.finalize(self, executor.shutdown)  # also runs at interpreter exit
 
@@ -99,7 +55,6 @@ class VideoGenerator:
         dtype: str | None = None,
         lora: list[LoraSpec] | None = None,
     ) -> VideoGenerator:
-        configure_logging()
         config = EngineConfig(
             model=str(model) if model is not None else None,
             num_gpus=num_gpus,
@@ -113,43 +68,37 @@ class VideoGenerator:
         )
         return cls.from_config(config)
 
-    @staticmethod
-    def probe(config: EngineConfig) -> tuple[EngineConfig, ModelInfo]:
-        """Validate the engine config, read the model's JSON files and check its weight files' headers (no weights, no
-        processes): a missing or truncated file fails here, naming it."""
-        from distvideo.models.loading import verify_component_files
-
-        config.validate()
-        if config.model is None:
-            config = dataclasses.replace(config, model=str(embedded_model_path()))
-        info = probe_model(str(config.model))
-        verify_component_files(info)
-        return config, info
-
     @classmethod
     def from_config(cls, config: EngineConfig) -> VideoGenerator:
-        configure_logging()
-        config, info = cls.probe(config)  # bad paths fail here, before any process or weight
-        kind = choose_executor(config, launcher_rank_present(read_launch_environ()))
-        config = dataclasses.replace(config, executor=kind)
-        layout = resolve_layout(  # impossible layouts fail here too, before any process or weight
-            world_size_for(kind, config),
-            sp_size=config.sp_size,
-            cfg_parallel=config.cfg_parallel,
-            num_heads=info.num_attention_heads,
-        )
-        logger.debug("parallel layout: %s", layout.describe())
+        """Resolve the engine (bad paths and impossible layouts fail here, before any process or weight), then
+        start its ranks and load the model."""
+        configure_logging(config.log_level)
+        return cls.from_engine(resolve_engine(config))
+
+    @classmethod
+    def from_engine(cls, engine: ResolvedEngine) -> VideoGenerator:
+        """Start the ranks of an engine resolved with `distvideo.executors.resolve_engine` and load the model."""
+        configure_logging(engine.config.log_level)
         start = time.perf_counter()
-        executor = build_executor(kind, config, info)
-        gen = cls(config, executor, info)
-        logger.debug("loaded %s with executor %s in %.2f s", info.path, kind, time.perf_counter() - start)
-        if config.lora:
+        gen = cls(engine, create_executor(engine))
+        logger.debug(
+            "loaded %s with executor %s in %.2f s", engine.model.path, engine.executor, time.perf_counter() - start
+        )
+        if engine.config.lora:
             try:
-                gen._apply_lora_specs(config.lora)
+                gen._apply_lora_specs(engine.config.lora)
             except BaseException:
                 gen.shutdown()
                 raise
         return gen
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    @property
+    def model_info(self) -> ModelInfo:
+        return self.engine.model
 
     # -- properties ------------------------------------------------------------------------------
     @property

@@ -8,26 +8,33 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
-import resource
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from distvideo import envs
-from distvideo.config import EngineConfig, GenerationRequest
+from distvideo.config import GenerationRequest
+from distvideo.devices import component_dtypes, default_num_threads, peak_memory_mb, reset_peak_memory, select_device
+from distvideo.engine import ResolvedEngine
+from distvideo.launch import LaunchEnv
+from distvideo.models import compat
 from distvideo.models.loading import load_components
-from distvideo.models.registry import ModelInfo, probe_model
+from distvideo.models.plans import apply_plans, speed_plans
+from distvideo.parallel.collectives import collective
+
+if TYPE_CHECKING:
+    from distvideo.lora.layers import LoraState
+    from distvideo.parallel.context import ParallelContext
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(frozen=True)
 class RankInfo:
-    """Where a worker sits: filled by the executor that creates it."""
+    """Where a worker sits: filled by the executor that creates it, through one of the constructors."""
 
     rank: int = 0
     local_rank: int = 0
@@ -36,6 +43,21 @@ class RankInfo:
     init_method: str | None = None  # None: no process group (a single rank)
     output_rank: int = 0
 
+    @classmethod
+    def single(cls) -> RankInfo:
+        """The only rank, in this process (the inline executor)."""
+        return cls()
+
+    @classmethod
+    def spawned(cls, rank: int, world_size: int, init_method: str) -> RankInfo:
+        """A rank the mp executor spawned on this machine (all ranks on one node)."""
+        return cls(rank, rank, world_size, world_size, init_method)
+
+    @classmethod
+    def launched(cls, env: LaunchEnv) -> RankInfo:
+        """A rank a launcher started (torchrun, srun, mpirun): the env:// rendezvous of its variables."""
+        return cls(env.rank, env.local_rank, env.world_size, env.local_world_size, "env://")
+
 
 @dataclass
 class WorkerOutput:
@@ -43,54 +65,6 @@ class WorkerOutput:
     frames: np.ndarray | None
     timings: dict[str, float] = field(default_factory=dict)
     peak_memory_mb: float = 0.0
-
-
-def default_num_threads(local_world_size: int | None) -> int | None:
-    """Intra-op threads for one rank: DISTVIDEO_NUM_THREADS, else the user's OMP_NUM_THREADS, else
-    cores / ranks on this node. torchrun sets OMP_NUM_THREADS=1 itself, which is not the user's
-    choice, so under torchrun a value of 1 is overridden unless DISTVIDEO_NUM_THREADS says so."""
-    explicit = envs.get("DISTVIDEO_NUM_THREADS")
-    if explicit:
-        return int(explicit)
-    omp = envs.get("OMP_NUM_THREADS")
-    if omp and not (omp == "1" and envs.is_set("TORCHELASTIC_RUN_ID")):
-        return None  # the user's setting; torch already honours it
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // max(1, local_world_size or 1))
-
-
-def select_device(requested: str | None, local_rank: int) -> torch.device:
-    if requested:
-        return torch.device(requested)
-    if torch.cuda.is_available():
-        count = torch.cuda.device_count()
-        if local_rank < count:
-            return torch.device("cuda", local_rank)
-        if count == 1:
-            logger.info("local rank %d sees one GPU (per-task binding); using cuda:0", local_rank)
-            return torch.device("cuda", 0)
-        raise RuntimeError(
-            f"local rank {local_rank} has no GPU: {count} visible (CUDA_VISIBLE_DEVICES="
-            f"{envs.get_raw('CUDA_VISIBLE_DEVICES')!r}). Launch at most {count} ranks per node, or bind one GPU "
-            "per task (srun --gpus-per-task=1, or set CUDA_VISIBLE_DEVICES per rank)."
-        )
-    return torch.device("cpu")
-
-
-def component_dtypes(device: torch.device, dtype: str | None) -> dict[str, torch.dtype]:
-    """float32 on CPU; on GPUs bfloat16 for the transformer and text encoder and float32 for the VAE
-    (Wan's VAE is sensitive to reduced precision), unless `dtype` says otherwise."""
-    if dtype is not None:
-        main = getattr(torch, dtype)
-    else:
-        main = torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"transformer": main, "text_encoder": main, "vae": torch.float32}
-
-
-def peak_memory_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
 
 
 _process_groups_created = 0  # in this process; every rank creates the same sequence, so the numbers agree
@@ -109,22 +83,29 @@ def rendezvous_store(init_method: str, rank: int, world_size: int, timeout: time
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, rank_info: RankInfo, *, model_info: ModelInfo | None = None):
-        self.config = config
+    def __init__(self, engine: ResolvedEngine, rank_info: RankInfo):
+        self.engine = engine
+        self.config = engine.config
+        self.model_info = engine.model
         self.rank_info = rank_info
         self.rank = rank_info.rank
         self.local_rank = rank_info.local_rank
         self.world_size = rank_info.world_size
-        self.device = select_device(config.device, rank_info.local_rank)
-        self.model_info = model_info
+        self.device = select_device(engine.config.device, rank_info.local_rank)
         self.pipeline: Any = None
         self.process_group_initialized = False
         self.cpu_group: Any = None  # gloo group for control messages (the default group on CPU)
-        self.parallel: Any = None  # distvideo.parallel.context.ParallelContext when world_size > 1
+        self.parallel: ParallelContext | None = None  # when world_size > 1
+        self.lora: LoraState | None = None  # this rank's adapters (distvideo.lora.rank), created on first use
+        self._undo_plans: Callable[[], None] | None = None
 
     @property
     def is_output_rank(self) -> bool:
         return self.rank == self.rank_info.output_rank
+
+    @property
+    def timeout(self) -> timedelta | None:
+        return timedelta(seconds=self.config.dist_timeout) if self.config.dist_timeout else None
 
     # -- life cycle ------------------------------------------------------------------------------
     def init_device(self) -> None:
@@ -134,48 +115,44 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         if self.rank_info.init_method is not None and not torch.distributed.is_initialized():
-            timeout = timedelta(seconds=self.config.dist_timeout) if self.config.dist_timeout else None
             backend = "nccl" if self.device.type == "cuda" else "gloo"
-            kwargs: dict[str, Any] = {}
-            if self.device.type == "cuda":
-                kwargs["device_id"] = self.device
-            torch.distributed.init_process_group(
-                backend=backend,
-                store=rendezvous_store(self.rank_info.init_method, self.rank, self.world_size, timeout),
-                rank=self.rank,
-                world_size=self.world_size,
-                timeout=timeout,
-                **kwargs,
-            )
-            self.process_group_initialized = True
-            if backend == "gloo":
-                self.cpu_group = torch.distributed.group.WORLD
-            else:
-                self.cpu_group = torch.distributed.new_group(backend="gloo", timeout=timeout)
+            kwargs: dict[str, Any] = {"device_id": self.device} if self.device.type == "cuda" else {}
+            with collective("joining the process group"):
+                torch.distributed.init_process_group(
+                    backend=backend,
+                    store=rendezvous_store(self.rank_info.init_method, self.rank, self.world_size, self.timeout),
+                    rank=self.rank,
+                    world_size=self.world_size,
+                    timeout=self.timeout,
+                    **kwargs,
+                )
+                self.process_group_initialized = True
+                if backend == "gloo":
+                    self.cpu_group = torch.distributed.group.WORLD
+                else:
+                    self.cpu_group = torch.distributed.new_group(backend="gloo", timeout=self.timeout)
         if self.world_size > 1:  # the layout's process groups, once, right after the default group
             from distvideo.parallel.context import ParallelContext
 
-            heads = self.model_info.num_attention_heads if self.model_info is not None else None
-            self.parallel = ParallelContext.create(
-                self.config,
-                world_size=self.world_size,
-                num_heads=heads,
-                device=self.device,
-                timeout=timedelta(seconds=self.config.dist_timeout) if self.config.dist_timeout else None,
-            )
+            self.parallel = ParallelContext.create(self.engine.layout, device=self.device, timeout=self.timeout)
         logger.debug("rank %d: device %s, %d threads", self.rank, self.device, torch.get_num_threads())
 
     def load_model(self) -> None:
+        """Load the components, apply every plan (the one place modules are changed), build the pipeline."""
         from distvideo.pipelines import PIPELINES
 
-        info = self.model_info or probe_model(str(self.config.model))
-        self.model_info = info
-        components = load_components(info, component_dtypes(self.device, self.config.dtype))
-        if self.parallel is not None:
-            self.parallel.apply_plans(components)  # Ulysses on the transformer, banded decode on the VAE
-        pipeline_cls = PIPELINES[info.family.pipeline]
-        show = self.is_output_rank and not envs.get("DISTVIDEO_NO_PROGRESS")
-        self.pipeline = pipeline_cls(components, self.device, show_progress=show, parallel=self.parallel)
+        model = self.model_info
+        components = load_components(model, component_dtypes(self.device, self.config.dtype))
+        plans = [*(self.parallel.plans() if self.parallel is not None else []), *speed_plans(self.config)]
+        self._undo_plans = apply_plans(components, plans)
+        pipeline_cls = PIPELINES[model.family.pipeline]
+        self.pipeline = pipeline_cls(
+            components,
+            self.device,
+            model,
+            show_progress=bool(self.config.progress) and self.is_output_rank,
+            parallel=self.parallel,
+        )
 
     def shutdown(self, *, broken: bool = False) -> None:
         """Release the pipeline and the process groups. `broken`: a collective failed (a peer died, timed out or left),
@@ -185,13 +162,15 @@ class Worker:
         self.pipeline = None
         self.cpu_group = None
         self.parallel = None
+        self.lora = None
+        self._undo_plans = None
         if self.process_group_initialized and torch.distributed.is_initialized():
             if not broken:
                 torch.distributed.destroy_process_group()
                 logger.debug("rank %d: process group destroyed", self.rank)
             else:
                 try:
-                    abort = getattr(torch.distributed.distributed_c10d, "_abort_process_group", None)
+                    abort = compat.abort_process_group()
                     if self.device.type == "cuda" and abort is not None:
                         abort()
                     else:
@@ -203,19 +182,17 @@ class Worker:
         self.process_group_initialized = False
 
     # -- calls -----------------------------------------------------------------------------------
-    def execute_forward(self, request: GenerationRequest, show_progress: bool | None = None) -> WorkerOutput:
+    def execute_forward(self, request: GenerationRequest) -> WorkerOutput:
         if self.pipeline is None:
             raise RuntimeError("the worker has no model loaded (was it shut down?)")
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-        if show_progress is not None:
-            self.pipeline.show_progress = show_progress and self.is_output_rank
+        reset_peak_memory(self.device)
         batch = self.pipeline(request)
-        frames = batch.frames if ((self.is_output_rank and request.return_frames) or request.save_video) else None
-        if not self.is_output_rank:
-            frames = None
+        keep = self.is_output_rank and (request.return_frames or request.save_video)
         return WorkerOutput(
-            rank=self.rank, frames=frames, timings=batch.timings, peak_memory_mb=peak_memory_mb(self.device)
+            rank=self.rank,
+            frames=batch.frames if keep else None,
+            timings=batch.timings,
+            peak_memory_mb=peak_memory_mb(self.device),
         )
 
     def execute_method(self, method: Any, *args: Any, **kwargs: Any) -> Any:

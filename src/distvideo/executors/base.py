@@ -15,14 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from distvideo.config import GenerationRequest
-
-
-class RankFailure(RuntimeError):
-    """One collective call failed on one or more ranks; `failures` maps rank -> (type, message)."""
-
-    def __init__(self, message: str, failures: dict[int, tuple[str, str]]):
-        super().__init__(message)
-        self.failures = failures
+from distvideo.errors import RankFailure
 
 
 @dataclass
@@ -103,9 +96,6 @@ class Executor(abc.ABC):
         """Refuse a call whose arguments differ between ranks. One driver sends the same call to every
         rank on inline and mp, so only external launchers (every process calls by itself) can diverge."""
         return None
-
-    def broadcast_from_output_rank(self, value: Any) -> Any:
-        return value
 
     @abc.abstractmethod
     def shutdown(self) -> None:

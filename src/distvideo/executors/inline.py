@@ -5,16 +5,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from distvideo.config import EngineConfig
+from distvideo.engine import ResolvedEngine
 from distvideo.executors.base import Executor, collective_error, run_guarded
-from distvideo.models.registry import ModelInfo
 from distvideo.worker import RankInfo, Worker
 
 
 class InlineExecutor(Executor):
-    def __init__(self, config: EngineConfig, model_info: ModelInfo):
+    def __init__(self, engine: ResolvedEngine):
         self.world_size = 1
-        self.worker: Worker | None = Worker(config, RankInfo(), model_info=model_info)
+        self.worker: Worker | None = Worker(engine, RankInfo.single())
         try:
             self.worker.init_device()
             self.worker.load_model()

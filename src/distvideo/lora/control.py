@@ -5,8 +5,8 @@ a weight; only when every rank succeeded, and all of them read the same bytes, d
 weights. Otherwise every rank drops what it prepared and raises the same error naming the failing ranks. A change
 that fails in phase 2 (or a merge/unmerge/clear that fails) on some rank is rolled back on every rank.
 
-`executor` is duck-typed (`collective_rpc`, `ensure_consistent`, `world_size`, `is_output_rank`): this package sits
-below the executors and imports nothing from them.
+`executor` is a :class:`~distvideo.lora.protocols.LoraExecutor` (`collective_rpc`, `ensure_consistent`, `world_size`,
+`is_output_rank`): this package sits below the executors and imports nothing from them.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 
 from distvideo.lora import rank as on_rank
 from distvideo.lora.formats import LoraError
+from distvideo.lora.protocols import LoraExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ def check_arguments(nickname: Any, path: Any, strength: Any, accumulate: Any) ->
 
 
 def set_lora_adapter(
-    executor: Any, nickname: str, path: str | os.PathLike[str] | None, strength: float, accumulate: bool
+    executor: LoraExecutor, nickname: str, path: str | os.PathLike[str] | None, strength: float, accumulate: bool
 ) -> None:
     try:
         checked, invalid = check_arguments(nickname, path, strength, accumulate), None
@@ -94,24 +95,24 @@ def set_lora_adapter(
         )
 
 
-def merge_weights(executor: Any) -> None:
+def merge_weights(executor: LoraExecutor) -> None:
     _change(executor, "merge_lora_weights", on_rank.merge_weights)
 
 
-def unmerge_weights(executor: Any) -> None:
+def unmerge_weights(executor: LoraExecutor) -> None:
     _change(executor, "unmerge_lora_weights", on_rank.unmerge_weights)
 
 
-def clear_adapters(executor: Any) -> None:
+def clear_adapters(executor: LoraExecutor) -> None:
     _change(executor, "clear_lora_adapters", on_rank.clear_adapters)
 
 
-def _change(executor: Any, what: str, fn: Callable[..., Any]) -> None:
+def _change(executor: LoraExecutor, what: str, fn: Callable[..., Any]) -> None:
     executor.ensure_consistent(what, {"call": what})
     _transition(executor, fn, what)
 
 
-def _transition(executor: Any, fn: Callable[..., Any], what: str) -> dict[str, Any]:
+def _transition(executor: LoraExecutor, fn: Callable[..., Any], what: str) -> dict[str, Any]:
     """Run a weight-changing step on every rank; if it fails anywhere, every rank returns to its previous state."""
     try:
         results = executor.collective_rpc(fn)
@@ -127,7 +128,7 @@ def _transition(executor: Any, fn: Callable[..., Any], what: str) -> dict[str, A
     return results[0]
 
 
-def _abort(executor: Any) -> None:
+def _abort(executor: LoraExecutor) -> None:
     try:
         executor.collective_rpc(on_rank.abort_adapter)
     except Exception:  # a rank that cannot even drop its prepared state is gone; the first error says why

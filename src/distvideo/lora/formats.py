@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from distvideo.config import ConfigError
+from distvideo.errors import LoraError
 
 logger = logging.getLogger(__name__)
 
@@ -68,11 +68,6 @@ WAN_FIXED_NAMES = {
     "img_emb.proj.3": "condition_embedder.image_embedder.ff.net.2",
 }
 _MUSUBI_BLOCK = re.compile(r"blocks_(\d+)_(self_attn|cross_attn)_(q|k|v|o|k_img|v_img)|blocks_(\d+)_ffn_(0|2)")
-
-
-class LoraError(ConfigError):
-    """A LoRA file that cannot be used with this model (missing, unreadable, for another model), or a LoRA call
-    with bad arguments. A user mistake: the CLI exits with code 2."""
 
 
 @dataclass

@@ -9,7 +9,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from distvideo.config import ConfigError
+from distvideo.errors import ConfigError, ModelLoadError
 from distvideo.models.registry import ModelInfo
 
 if TYPE_CHECKING:
@@ -18,10 +18,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _LIBRARIES = ("diffusers", "transformers")
-
-
-class ModelLoadError(RuntimeError):
-    """A component of a checkpoint could not be loaded (missing or corrupt weights, bad tokenizer)."""
 
 
 def component_class(library: str, class_name: str) -> Any:

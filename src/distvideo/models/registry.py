@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,16 +48,26 @@ class ModelInfo:
     vae_scale_temporal: int
     patch_size: tuple[int, int, int]
     num_attention_heads: int
+    latent_channels: int = 16  # the transformer's in_channels (the VAE's z_dim for text-to-video)
     defaults: dict[str, Any] = field(default_factory=dict)
 
     @property
     def spatial_stride(self) -> int:
         return self.vae_scale_spatial * max(self.patch_size[1], self.patch_size[2])
 
+    def latent_shape(self, request: GenerationRequest) -> tuple[int, int, int, int, int]:
+        """(batch, channels, latent frames, latent rows, latent columns) of a resolved request."""
+        assert request.num_frames is not None and request.height is not None and request.width is not None
+        return (
+            1,
+            self.latent_channels,
+            (request.num_frames - 1) // self.vae_scale_temporal + 1,
+            request.height // self.vae_scale_spatial,
+            request.width // self.vae_scale_spatial,
+        )
+
     def resolve_request(self, request: GenerationRequest) -> GenerationRequest:
         """Fill unset fields with the model's defaults and check what depends on the model."""
-        import dataclasses
-
         filled = dataclasses.replace(
             request, **{k: v for k, v in self.defaults.items() if getattr(request, k, 0) is None}
         )
@@ -70,9 +81,13 @@ class ModelInfo:
                     f"{self.vae_scale_spatial} x patch size {self.patch_size[1]}); try {lower} or "
                     f"{lower + self.spatial_stride}"
                 )
-        if (filled.num_frames - 1) % self.vae_scale_temporal:
+        k = self.vae_scale_temporal
+        assert filled.num_frames is not None  # the family's defaults fill every field
+        if (filled.num_frames - 1) % k:
+            lower = (filled.num_frames - 1) // k * k + 1
             raise ConfigError(
-                f"num_frames={filled.num_frames} must be of the form {self.vae_scale_temporal}k+1 for this model"
+                f"num_frames={filled.num_frames} must be of the form {k}k+1 for this model (its VAE packs {k} frames "
+                f"into one latent frame after the first); try {lower} or {lower + k}"
             )
         return filled
 
@@ -146,5 +161,6 @@ def probe_model(path: str | Path) -> ModelInfo:
         vae_scale_temporal=scale_temporal,
         patch_size=(patch[0], patch[1], patch[2]),
         num_attention_heads=int(tr_cfg.get("num_attention_heads", 1)),
+        latent_channels=int(tr_cfg.get("in_channels", vae_cfg.get("z_dim", 16))),
         defaults=defaults,
     )

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from distvideo.parallel.collectives import collective
 from distvideo.parallel.layout import ParallelLayout
 
 logger = logging.getLogger(__name__)
@@ -44,7 +45,8 @@ class ParallelGroups:
         rank = dist.get_rank()
         backend = str(dist.get_backend())
         world = dist.group.WORLD
-        world_cpu = world if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+        with collective("creating the layout's process groups"):
+            world_cpu = world if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
 
         def mine(all_ranks: list[list[int]]) -> tuple[Any, Any]:
             device_group = cpu_group = None
@@ -55,8 +57,9 @@ class ParallelGroups:
                     device_group, cpu_group = g, g_cpu
             return device_group, cpu_group
 
-        sp, sp_cpu = mine(layout.sp_group_ranks()) if layout.sp_enabled else (None, None)
-        cfg, cfg_cpu = mine(layout.cfg_group_ranks()) if layout.cfg_enabled else (None, None)
+        with collective("creating the layout's process groups"):
+            sp, sp_cpu = mine(layout.sp_group_ranks()) if layout.sp_enabled else (None, None)
+            cfg, cfg_cpu = mine(layout.cfg_group_ranks()) if layout.cfg_enabled else (None, None)
         logger.debug("rank %d: process groups for %s (%s)", rank, layout.describe(), backend)
         return cls(layout, rank, backend, world, world_cpu, sp, sp_cpu, cfg, cfg_cpu, timeout)
 
@@ -77,5 +80,6 @@ class ParallelGroups:
         if size == self.layout.world_size:
             return self.world
         if size not in self._prefix_groups:
-            self._prefix_groups[size] = dist.new_group(ranks=list(range(size)), timeout=self.timeout)
+            with collective("creating the decode's process group"):
+                self._prefix_groups[size] = dist.new_group(ranks=list(range(size)), timeout=self.timeout)
         return self._prefix_groups[size] if self.rank < size else None

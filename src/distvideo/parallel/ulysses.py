@@ -17,11 +17,15 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from distvideo.models import compat
+from distvideo.parallel.collectives import collective
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +90,7 @@ def take_shard(x: torch.Tensor, dim: int, shard: SequenceShard) -> torch.Tensor:
 # --- the attention processor ----------------------------------------------------------------------------------------
 
 
-def _apply_rotary_emb(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
+def apply_wan_rotary(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
     """Wan's interleaved rotary embedding, as in diffusers' WanAttnProcessor. In float32/64 as one complex product:
     the same arithmetic without the strided writes of the real version."""
     if x.dtype in (torch.float32, torch.float64) and freqs_cos.dtype == x.dtype and x.stride(-1) == 1:
@@ -108,9 +112,9 @@ class UlyssesAttnProcessor:
     the attention op.
     """
 
-    _parallel_config = None  # diffusers' own context parallelism must stay off on this processor
-
     def __init__(self, plan: UlyssesPlan, attention_backend: Any = None):
+        for name, value in compat.PROCESSOR_PROTOCOL_ATTRIBUTES.items():
+            setattr(self, name, value)
         self.plan = plan
         self._attention_backend = attention_backend
 
@@ -122,27 +126,22 @@ class UlyssesAttnProcessor:
         attention_mask: torch.Tensor | None = None,
         rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        from diffusers.models.attention_dispatch import dispatch_attention_fn
-        from diffusers.models.transformers.transformer_wan import _get_qkv_projections
-
         if encoder_hidden_states is not None or attention_mask is not None:
             raise RuntimeError("UlyssesAttnProcessor handles self-attention without a mask only (Wan's attn1)")
-        query, key, value = _get_qkv_projections(attn, hidden_states, None)  # type: ignore[arg-type]
+        query, key, value = compat.wan_qkv_projections(attn, hidden_states, None)
         query = attn.norm_q(query).unflatten(2, (attn.heads, -1))
         key = attn.norm_k(key).unflatten(2, (attn.heads, -1))
         value = value.unflatten(2, (attn.heads, -1))
         if rotary_emb is not None:
-            query = _apply_rotary_emb(query, *rotary_emb)
-            key = _apply_rotary_emb(key, *rotary_emb)
+            query = apply_wan_rotary(query, *rotary_emb)
+            key = apply_wan_rotary(key, *rotary_emb)
 
         # (B, S/sp, H, D) x3 -> (B, S, H/sp, D) x3, in one all-to-all
         query, key, value = self.plan.scatter_heads_gather_sequence(torch.stack([query, key, value]))
         seq_len = self.plan.shard.seq_len
         key, value = key[:, :seq_len], value[:, :seq_len]  # padded keys take no part in attention
 
-        out = dispatch_attention_fn(
-            query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, backend=self._attention_backend
-        )
+        out = compat.dispatch_attention(query, key, value, self._attention_backend)
         out = self.plan.scatter_sequence_gather_heads(out)  # (B, S, H/sp, D) -> (B, S/sp, H, D)
         out = out.flatten(2, 3).type_as(query)
         out = attn.to_out[0](out)
@@ -153,11 +152,14 @@ class UlyssesAttnProcessor:
 
 
 class UlyssesPlan:
-    """Applies Ulysses sequence parallelism to a WanTransformer3DModel in place; `remove()` undoes it.
+    """Applies Ulysses sequence parallelism to a WanTransformer3DModel in place (a ModulePlan); `remove()`, the undo
+    `apply` returns, undoes it.
 
     `counts` records the collectives issued ("all_to_all", "all_gather"), so tests can check there are exactly two
     all-to-alls per self-attention layer.
     """
+
+    component = "transformer"
 
     def __init__(self, group: Any, sp_size: int, sp_rank: int):
         if sp_size < 2:
@@ -178,7 +180,7 @@ class UlyssesPlan:
         return self._shard
 
     # -- applying ------------------------------------------------------------------------------------------
-    def apply(self, transformer: Any) -> UlyssesPlan:
+    def apply(self, transformer: Any) -> Callable[[], None]:
         heads = int(transformer.config.num_attention_heads)
         if heads % self.sp_size:
             raise ValueError(f"sp_size({self.sp_size}) must divide the attention heads({heads})")
@@ -192,8 +194,8 @@ class UlyssesPlan:
         for block in transformer.blocks:
             original = block.attn1.processor
             self._processors.append((block.attn1, original))
-            block.attn1.set_processor(UlyssesAttnProcessor(self, getattr(original, "_attention_backend", None)))
-        return self
+            block.attn1.set_processor(UlyssesAttnProcessor(self, compat.attention_backend(original)))
+        return self.remove
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -226,7 +228,8 @@ class UlyssesPlan:
 
     def _on_proj_out_output(self, module: Any, args: Any, output: torch.Tensor) -> torch.Tensor:
         shards = [torch.empty_like(output) for _ in range(self.sp_size)]
-        dist.all_gather(shards, output.contiguous(), group=self.group)
+        with collective("the Ulysses output gather"):
+            dist.all_gather(shards, output.contiguous(), group=self.group)
         self.counts["all_gather"] += 1
         return torch.cat(shards, dim=1)[:, : self.shard.seq_len]
 
@@ -237,7 +240,8 @@ class UlyssesPlan:
         sp = self.sp_size
         send = qkv.reshape(n, b, s_local, sp, heads // sp, d).permute(3, 0, 1, 2, 4, 5).contiguous()
         recv = torch.empty_like(send)  # (sp source ranks, 3, B, S/sp, H/sp, D)
-        dist.all_to_all_single(recv, send, group=self.group)
+        with collective("a Ulysses all-to-all"):
+            dist.all_to_all_single(recv, send, group=self.group)
         self.counts["all_to_all"] += 1
         return recv.permute(1, 2, 0, 3, 4, 5).reshape(n, b, sp * s_local, heads // sp, d)
 
@@ -247,6 +251,7 @@ class UlyssesPlan:
         sp = self.sp_size
         send = out.reshape(b, sp, s_padded // sp, heads_local, d).transpose(0, 1).contiguous()
         recv = torch.empty_like(send)  # (sp source ranks = head chunks, B, S/sp, H/sp, D)
-        dist.all_to_all_single(recv, send, group=self.group)
+        with collective("a Ulysses all-to-all"):
+            dist.all_to_all_single(recv, send, group=self.group)
         self.counts["all_to_all"] += 1
         return recv.permute(1, 2, 0, 3, 4).reshape(b, s_padded // sp, sp * heads_local, d)

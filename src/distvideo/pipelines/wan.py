@@ -18,14 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 from diffusers.utils.torch_utils import randn_tensor
 from tqdm.auto import tqdm
 
-from distvideo import envs
 from distvideo.config import GenerationRequest
-from distvideo.models.cpu_kernels import use_cpu_kernels
-from distvideo.models.text_padding import TextPaddingPlan
+from distvideo.models.compat import prompt_clean
+from distvideo.models.registry import ModelInfo
 
 if TYPE_CHECKING:
     from distvideo.parallel.context import ParallelContext
@@ -50,35 +48,28 @@ class WanBatch:
 
 
 class WanT2VPipeline:
-    """Runs one request on one rank. Parallel plans (sequence/CFG parallel, parallel VAE) are applied
-    to the components by the worker; the stages below stay the algorithm."""
+    """Runs one request on one rank. The worker applies every plan (speed plans, and the parallel ones: sequence/CFG
+    parallel, parallel VAE) to the components before building the pipeline; the stages below stay the algorithm."""
 
     def __init__(
         self,
         components: dict[str, Any],
         device: torch.device,
+        model: ModelInfo,
         *,
         show_progress: bool = True,
         parallel: ParallelContext | None = None,  # None: one rank
     ):
         self.parallel = parallel
+        self.model = model
         self.tokenizer = components["tokenizer"]
         self.text_encoder = components["text_encoder"].to(device).eval()
         self.transformer = components["transformer"].to(device).eval()
         self.vae = components["vae"].to(device).eval()
-        # the text padding as one weighted key in cross-attention (exact in math; models/text_padding.py)
-        self.text_padding = TextPaddingPlan()
-        if envs.get("DISTVIDEO_COMPACT_TEXT_PADDING"):
-            self.text_padding.apply(self.transformer)
-        if envs.get("DISTVIDEO_CPU_KERNELS"):  # CPU tensors only, decided per call (models/cpu_kernels.py)
-            use_cpu_kernels(self.vae)
-            use_cpu_kernels(self.transformer)
         self.scheduler_config = components["scheduler"].config
         self.scheduler_cls = type(components["scheduler"])
         self.device = device
         self.show_progress = show_progress
-        self.vae_scale_temporal = int(self.vae.config.scale_factor_temporal)
-        self.vae_scale_spatial = int(self.vae.config.scale_factor_spatial)
         # the decode constants are fixed per model: build them once, not per request
         z = self.vae.config.z_dim
         self._latents_mean = torch.tensor(self.vae.config.latents_mean).view(1, z, 1, 1, 1)
@@ -124,21 +115,11 @@ class WanT2VPipeline:
         batch.scheduler = scheduler
         batch.timesteps = scheduler.timesteps
 
-    def latent_shape(self, request: GenerationRequest) -> tuple[int, int, int, int, int]:
-        assert request.num_frames is not None and request.height is not None and request.width is not None
-        return (
-            1,
-            int(self.transformer.config.in_channels),
-            (request.num_frames - 1) // self.vae_scale_temporal + 1,
-            request.height // self.vae_scale_spatial,
-            request.width // self.vae_scale_spatial,
-        )
-
     def prepare_latents(self, batch: WanBatch) -> None:
         # drawn on a CPU generator seeded by the request: every rank draws the same noise, no broadcast
         generator = torch.Generator("cpu").manual_seed(batch.request.seed)
         batch.latents = randn_tensor(
-            self.latent_shape(batch.request), generator=generator, device=self.device, dtype=torch.float32
+            self.model.latent_shape(batch.request), generator=generator, device=self.device, dtype=torch.float32
         )
 
     def predict_noise(self, latents: torch.Tensor, t: torch.Tensor, batch: WanBatch) -> torch.Tensor:
@@ -157,10 +138,15 @@ class WanT2VPipeline:
                 noise, batch.prompt_embeds, batch.negative_prompt_embeds, batch.do_cfg
             )
         else:
+            assert batch.prompt_embeds is not None
             cond = noise(batch.prompt_embeds)
-            uncond = noise(batch.negative_prompt_embeds) if batch.do_cfg else None
+            uncond = None
+            if batch.do_cfg:
+                assert batch.negative_prompt_embeds is not None
+                uncond = noise(batch.negative_prompt_embeds)
         if uncond is None:
             return cond
+        assert batch.request.guidance_scale is not None
         return uncond + batch.request.guidance_scale * (cond - uncond)
 
     @torch.no_grad()
@@ -210,6 +196,7 @@ class WanT2VPipeline:
             self.decode(batch)
         with self._timed(batch, "frames"):
             self.to_frames(batch)
+        assert batch.timesteps is not None
         batch.timings["per_step_denoising"] = batch.timings["denoising"] / max(1, len(batch.timesteps))
         return batch
 
