@@ -58,7 +58,9 @@ class EngineConfig:
     executor: str = _option("how ranks exist", "auto", choices=EXECUTORS)
     sp_size: int | None = _option("sequence-parallel degree (default: automatic)")
     cfg_parallel: bool | None = _option("run the two guidance branches on two halves of the ranks (default: auto)")
-    dist_timeout: float | None = _option("seconds a collective may wait for a peer", parse="seconds")
+    dist_timeout: float | None = _option(
+        "seconds a collective may wait for a peer (default 600, DISTVIDEO_DIST_TIMEOUT)", parse="seconds"
+    )
     device: str | None = _option("e.g. cpu, cuda, cuda:1 (default: automatic)")
     dtype: str | None = _option("transformer and text-encoder dtype (default: bfloat16 on GPU)", choices=DTYPES)
     lora: list[LoraSpec] = field(
@@ -82,6 +84,9 @@ class EngineConfig:
             cpu_kernels=_default(self.cpu_kernels, envs.get("DISTVIDEO_CPU_KERNELS")),
             progress=_default(self.progress, not envs.get("DISTVIDEO_NO_PROGRESS")),
             log_level=(self.log_level or envs.get("DISTVIDEO_LOG_LEVEL")).upper(),
+            dist_timeout=self.dist_timeout
+            if self.dist_timeout is not None
+            else float(envs.get("DISTVIDEO_DIST_TIMEOUT")),
         )
 
     def validate(self) -> None:
@@ -121,6 +126,7 @@ class GenerationRequest:
     save_video: bool = True
     return_frames: bool = True
     max_sequence_length: int = 512
+    request_timeout: float | None = None  # seconds; the request stops at the next denoising step after it
 
     def validate(self) -> None:
         """Checks that need no model; model-dependent checks live in the model's spec."""
@@ -147,6 +153,14 @@ class GenerationRequest:
             raise ConfigError(f"seed={self.seed} must be below 2**63")
         _check_int("fps", self.fps, minimum=1)
         _check_int("max_sequence_length", self.max_sequence_length, minimum=1)
+        if self.request_timeout is not None and (
+            isinstance(self.request_timeout, bool)
+            or not isinstance(self.request_timeout, (int, float))
+            or not (self.request_timeout > 0 and math.isfinite(self.request_timeout))
+        ):
+            raise ConfigError(
+                f"request_timeout={self.request_timeout!r} must be a positive, finite number of seconds (or unset)"
+            )
         if self.output_path is not None and not isinstance(self.output_path, str):
             raise ConfigError(f"output_path: expected a path, got {self.output_path!r}")
 

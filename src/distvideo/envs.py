@@ -56,6 +56,12 @@ _declare(
     None,
     "Intra-op CPU threads per rank. Default: OMP_NUM_THREADS when the user set it, else cores / local world size.",
 )
+_declare(
+    "DISTVIDEO_DIST_TIMEOUT",
+    float,
+    600.0,
+    "Default dist_timeout in seconds: how long a collective waits for a peer before the job is declared broken.",
+)
 _declare("DISTVIDEO_NO_PROGRESS", _bool, False, "Disable the tqdm progress bar (same as --no-progress).")
 _declare(
     "DISTVIDEO_COMPACT_TEXT_PADDING",

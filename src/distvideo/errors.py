@@ -45,6 +45,16 @@ class CollectiveError(RuntimeError):
     code that issued it, whatever error type torch's backend used (gloo raises plain RuntimeErrors)."""
 
 
+class GenerationCancelled(RuntimeError):
+    """The request was stopped at a step boundary on every rank because the caller cancelled it; the executor stays
+    usable."""
+
+
+class GenerationTimeout(GenerationCancelled, TimeoutError):
+    """The request ran past its request_timeout and was stopped at a step boundary on every rank; the executor stays
+    usable."""
+
+
 class ProcessGroupBrokenError(RuntimeError):
     """A collective failed (a rank died, did not arrive within dist_timeout, or left the group after a failure of its
     own): no collective can succeed on this process group again. The job must be restarted."""
@@ -54,6 +64,8 @@ __all__ = [
     "CollectiveError",
     "ConfigError",
     "DivergentCallError",
+    "GenerationCancelled",
+    "GenerationTimeout",
     "LaunchEnvError",
     "LoraError",
     "ModelLoadError",

@@ -132,7 +132,12 @@ class VideoGenerator:
         save_video: bool = True,
         return_frames: bool = True,
         max_sequence_length: int = 512,
+        request_timeout: float | None = None,
+        on_progress: Callable[[int, int], None] | None = None,
     ) -> GenerationResult:
+        """Generate one video. `request_timeout` (seconds): the request stops at the next denoising step after it on
+        every rank and raises GenerationTimeout; `on_progress(done, total)` is called in this process after every
+        denoising step (under a launcher: on every rank). `cancel()` from another thread stops it."""
         request = GenerationRequest(
             prompt=prompt,
             negative_prompt=negative_prompt,
@@ -147,10 +152,18 @@ class VideoGenerator:
             save_video=save_video,
             return_frames=return_frames,
             max_sequence_length=max_sequence_length,
+            request_timeout=request_timeout,
         )
-        return self.generate_request(request)
+        return self.generate_request(request, on_progress=on_progress)
 
-    def generate_request(self, request: GenerationRequest) -> GenerationResult:
+    def cancel(self) -> None:
+        """Stop the request this generator is running, at its next denoising step on every rank (it raises
+        GenerationCancelled; the generator stays usable). Safe from any thread; a no-op when nothing runs."""
+        self.executor.cancel()
+
+    def generate_request(
+        self, request: GenerationRequest, on_progress: Callable[[int, int], None] | None = None
+    ) -> GenerationResult:
         start = time.perf_counter()
         executor = self.executor
         try:
@@ -164,7 +177,7 @@ class VideoGenerator:
             raise invalid
         assert resolved is not None
         request = resolved
-        out = executor.execute_forward(request)
+        out = executor.execute_forward(request, on_progress)
         timings = dict(out.timings)
         video_path: str | None = None
         frames = out.frames if executor.is_output_rank else None

@@ -24,6 +24,7 @@ from distvideo.models import compat
 from distvideo.models.loading import load_components
 from distvideo.models.plans import apply_plans, speed_plans
 from distvideo.parallel.collectives import collective
+from distvideo.pipelines.control import StepControl
 
 if TYPE_CHECKING:
     from distvideo.lora.layers import LoraState
@@ -182,11 +183,25 @@ class Worker:
         self.process_group_initialized = False
 
     # -- calls -----------------------------------------------------------------------------------
-    def execute_forward(self, request: GenerationRequest) -> WorkerOutput:
+    def execute_forward(
+        self,
+        request: GenerationRequest,
+        *,
+        on_progress: Callable[[int, int], None] | None = None,
+        cancelled: Callable[[], bool] | None = None,
+    ) -> WorkerOutput:
+        """Run one request. Between denoising steps `on_progress(done, total)` is called and the request stops on
+        every rank alike when it passed its request_timeout or `cancelled()` says so on any rank."""
         if self.pipeline is None:
             raise RuntimeError("the worker has no model loaded (was it shut down?)")
         reset_peak_memory(self.device)
-        batch = self.pipeline(request)
+        control = StepControl(
+            timeout=request.request_timeout,
+            cancelled=cancelled,
+            on_progress=on_progress,
+            group=self.cpu_group if self.world_size > 1 else None,
+        )
+        batch = self.pipeline(request, control)
         keep = self.is_output_rank and (request.return_frames or request.save_video)
         return WorkerOutput(
             rank=self.rank,

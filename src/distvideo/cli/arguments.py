@@ -29,6 +29,7 @@ REQUEST_FLAGS: dict[str, dict[str, Any]] = {
     "seed": {"help": "noise seed (default 0)"},
     "fps": {"help": "frames per second of the saved video (default 16)"},
     "output_path": {"help": "a .mp4 file, or a folder (default: outputs/)", "flag": "--output"},
+    "request_timeout": {"help": "seconds; the request stops at the next denoising step after it", "parse": "seconds"},
 }
 
 

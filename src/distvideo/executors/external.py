@@ -30,7 +30,7 @@ from distvideo import envs
 from distvideo.config import EngineConfig, GenerationRequest
 from distvideo.engine import ResolvedEngine
 from distvideo.errors import CollectiveError, ConfigError, DivergentCallError, ProcessGroupBrokenError
-from distvideo.executors.base import Executor, RankStatus, collective_error, method_name, run_guarded
+from distvideo.executors.base import Executor, RankStatus, RequestIds, collective_error, method_name, run_guarded
 from distvideo.executors.heartbeat import Heartbeat, Pulse, diagnose, first_line, ranks_text
 from distvideo.launch import torch_env_for
 from distvideo.logging_utils import set_log_rank
@@ -54,6 +54,7 @@ class ExternalExecutor(Executor):
         self.world_size = env.world_size
         self.rank = env.rank
         self._call = 0  # calls made so far; every rank makes the same calls, so the numbers agree across ranks
+        self._requests = RequestIds()
         self._broken: ProcessGroupBrokenError | None = None
         self._heartbeat: Heartbeat | None = None
         set_log_rank(env.rank)
@@ -110,13 +111,25 @@ class ExternalExecutor(Executor):
         statuses = self._exchange(what, method, status)
         return [s.result for s in statuses]
 
-    def execute_forward(self, request: GenerationRequest) -> WorkerOutput:
-        """Like collective_rpc, but only statuses travel: frames stay on the output rank."""
+    def execute_forward(
+        self, request: GenerationRequest, on_progress: Callable[[int, int], None] | None = None
+    ) -> WorkerOutput:
+        """Like collective_rpc, but only statuses travel: frames stay on the output rank. `on_progress` is called on
+        this rank; `cancel()` on any rank stops every rank at the same step."""
         worker = self._live_worker()
-        status = self._run_local("execute_forward", lambda: worker.execute_method("execute_forward", request))
+        with self._requests.running() as cancelled:
+            status = self._run_local(
+                "execute_forward",
+                lambda: worker.execute_method("execute_forward", request, on_progress=on_progress, cancelled=cancelled),
+            )
         local = status.result
-        self._exchange("execute_forward", "execute_forward", dataclasses.replace(status, result=None), settle=True)
+        # a request stopped on purpose stopped on every rank at the same step (StepControl): nothing to settle
+        settle = status.error_type not in ("GenerationCancelled", "GenerationTimeout")
+        self._exchange("execute_forward", "execute_forward", dataclasses.replace(status, result=None), settle=settle)
         return local
+
+    def cancel(self) -> None:
+        self._requests.cancel()
 
     def ensure_consistent(self, what: str, fields: dict[str, Any]) -> None:
         self._live_worker()

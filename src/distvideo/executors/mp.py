@@ -43,6 +43,7 @@ from distvideo.executors.mp_wire import (
     OP_CALL,
     OP_FORWARD,
     STARTUP_ID,
+    ProgressNote,
     describe_exit,
     discard,
     dumps,
@@ -64,6 +65,10 @@ FORWARD_FAILURE_SETTLE_S = 5.0
 #: (torch's OpenMP threads, for one) does not interrupt the main thread's poll; waking at least this often lets the
 #: main thread run the pending handler and raise KeyboardInterrupt.
 WAIT_SLICE_S = 0.5
+#: A request past its request_timeout stops at the next denoising step by itself; a forward that has not answered
+#: STOP_GRACE_FACTOR x request_timeout + STOP_GRACE_S after it started is stuck (a long decode, a hung rank).
+STOP_GRACE_FACTOR = 2.0
+STOP_GRACE_S = 30.0
 
 
 # --- the driver ---------------------------------------------------------------------------------
@@ -82,6 +87,7 @@ class MultiprocExecutor(Executor):
         self._answered = [STARTUP_ID] * n  # per rank, the last call id it answered (calls run in order)
         self._segments: dict[int, SharedMemory] = {}  # call id -> payload segment not yet read by every rank
         self._dead: str | None = None  # why the workers are gone, once they are
+        self._forward_id: int | None = None  # the execute_forward call running now (what cancel() stops)
         self._closed = False
         _LIVE.add(self)
         try:
@@ -111,9 +117,16 @@ class MultiprocExecutor(Executor):
         statuses = self._call(OP_CALL, payload, method, timeout)
         return [s.result for s in statuses]
 
-    def execute_forward(self, request: GenerationRequest) -> WorkerOutput:
-        """Every rank runs the request; only the output rank's frames come back, through shared memory."""
-        statuses = self._call(OP_FORWARD, dumps(request), "execute_forward", None)
+    def execute_forward(
+        self, request: GenerationRequest, on_progress: Callable[[int, int], None] | None = None
+    ) -> WorkerOutput:
+        """Every rank runs the request; only the output rank's frames come back, through shared memory. The ranks
+        stop by themselves at a step boundary past request_timeout; one that still has not answered
+        STOP_GRACE_FACTOR x request_timeout + STOP_GRACE_S later is stuck, and every worker is torn down."""
+        limit = None
+        if request.request_timeout is not None:
+            limit = STOP_GRACE_FACTOR * request.request_timeout + STOP_GRACE_S
+        statuses = self._call(OP_FORWARD, dumps(request), "execute_forward", limit, on_progress)
         for status in statuses:
             if status.rank != self.output_rank:
                 discard(status)  # other ranks send no frames; a guard, not a path
@@ -121,8 +134,18 @@ class MultiprocExecutor(Executor):
         frames = take_frames(shared) if shared is not None else None
         return dataclasses.replace(output, frames=frames)
 
+    def cancel(self) -> None:
+        call_id = self._forward_id
+        if call_id is not None:
+            self._workers.control.cancel(call_id)
+
     def _call(
-        self, op: int, payload: bytes, method: str | Callable[..., Any], timeout: float | None
+        self,
+        op: int,
+        payload: bytes,
+        method: str | Callable[..., Any],
+        timeout: float | None,
+        on_progress: Callable[[int, int], None] | None = None,
     ) -> list[RankStatus]:
         if timeout is not None and not timeout > 0:
             raise ValueError(f"collective_rpc: timeout={timeout} must be a positive number of seconds, or None")
@@ -130,15 +153,17 @@ class MultiprocExecutor(Executor):
             self._check_usable()
             self._next_id += 1
             call_id = self._next_id
+            self._forward_id = call_id if op == OP_FORWARD else None
             try:
                 self._send(call_id, op, payload)
-                statuses = self._gather(call_id, method, timeout, settle=op == OP_FORWARD)
+                statuses = self._gather(call_id, method, timeout, settle=op == OP_FORWARD, on_progress=on_progress)
             except KeyboardInterrupt:
                 self._dead = f"interrupted (KeyboardInterrupt) during collective_rpc({method_name(method)!r})"
                 logger.info("interrupted: tearing the %d workers down", self.world_size)
                 self._stop_workers(graceful=False)
                 raise
             finally:
+                self._forward_id = None
                 self._free_segments()
         error = collective_error(method, statuses)
         if error is not None:
@@ -173,11 +198,19 @@ class MultiprocExecutor(Executor):
                 self._worker_died(rank, f"call {call_id}")
 
     def _gather(
-        self, call_id: int, method: str | Callable[..., Any], timeout: float | None, *, settle: bool = False
+        self,
+        call_id: int,
+        method: str | Callable[..., Any],
+        timeout: float | None,
+        *,
+        settle: bool = False,
+        on_progress: Callable[[int, int], None] | None = None,
     ) -> list[RankStatus]:
-        """Every rank's status of call `call_id`. `settle` (execute_forward, whose ranks run in lockstep): once a
-        rank has failed, the others get FORWARD_FAILURE_SETTLE_S to answer; then they are taken to be blocked in a
-        collective with it, and every worker is torn down (see `_blocked_after_failure`)."""
+        """Every rank's status of call `call_id` (progress notes go to `on_progress` as they arrive). `settle`
+        (execute_forward, whose ranks run in lockstep): once a rank has failed, the others get
+        FORWARD_FAILURE_SETTLE_S to answer; then they are taken to be blocked in a collective with it, and every
+        worker is torn down (see `_blocked_after_failure`). Past `timeout` the ranks are stuck in the call: nothing
+        can interrupt it, so every worker is torn down rather than leave the next call queued behind it."""
         statuses: list[RankStatus | None] = [None] * self.world_size
         pending = set(range(self.world_size))
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -190,9 +223,13 @@ class MultiprocExecutor(Executor):
             remaining = None if deadline is None else deadline - now
             if remaining is not None and remaining <= 0:
                 ranks = ", ".join(f"rank {r}" for r in sorted(pending))
+                self._dead = f"{what} timed out after {timeout:g} s (no answer from {ranks})"
+                logger.error("%s: tearing the %d workers down", self._dead, self.world_size)
+                self._stop_workers(graceful=False)
                 raise TimeoutError(
-                    f"{what} timed out after {timeout} s: no answer from {ranks}. The ranks keep running the call "
-                    "(the executor stays usable; the next call runs after it, and its late answers are dropped)."
+                    f"{what} timed out after {timeout:g} s: no answer from {ranks}. A call cannot be interrupted "
+                    "inside a worker, so every worker was torn down (a later call would wait behind this one); "
+                    "create a new VideoGenerator to continue."
                 )
             if settle_end is not None:
                 remaining = settle_end - now if remaining is None else min(remaining, settle_end - now)
@@ -208,6 +245,10 @@ class MultiprocExecutor(Executor):
                     answer_id, status = pickle.loads(self._conns[rank].recv_bytes())
                 except (EOFError, OSError):
                     died.append(rank)
+                    continue
+                if isinstance(status, ProgressNote):
+                    if answer_id == call_id and on_progress is not None:
+                        on_progress(status.done, status.total)
                     continue
                 self._answered[rank] = answer_id
                 if answer_id == call_id:
@@ -232,7 +273,8 @@ class MultiprocExecutor(Executor):
         for status in answered:
             discard(status)
         blocked = ", ".join(str(r) for r in sorted(pending))
-        failed = ", ".join(str(r) for r in sorted(error.failures))
+        failures: dict[int, tuple[str, str]] = getattr(error, "failures", {})
+        failed = ", ".join(str(r) for r in sorted(failures))
         self._dead = f"rank(s) {failed} failed while rank(s) {blocked} waited in a collective with them"
         logger.error(
             "%s for %.0f s: tearing the %d workers down", self._dead, FORWARD_FAILURE_SETTLE_S, self.world_size
@@ -242,7 +284,7 @@ class MultiprocExecutor(Executor):
             f"{error}\nrank(s) {blocked} were still inside the call {FORWARD_FAILURE_SETTLE_S:.0f} s later, blocked in "
             "a collective the failed rank(s) will never join; every worker was torn down and this VideoGenerator can "
             "no longer be used: create a new one.",
-            error.failures,
+            failures,
         ) from remote_traceback(s for s in answered if not s.ok)
 
     def _worker_died(self, rank: int, during: str) -> NoReturn:

@@ -21,7 +21,15 @@ from typing import TYPE_CHECKING, Any
 from distvideo.engine import ResolvedEngine
 from distvideo.errors import RankFailure
 from distvideo.executors.base import RankStatus
-from distvideo.executors.mp_wire import HEADER, OP_SHUTDOWN, STARTUP_ID, describe_exit, exit_hint, remote_traceback
+from distvideo.executors.mp_wire import (
+    HEADER,
+    OP_SHUTDOWN,
+    STARTUP_ID,
+    ControlBlock,
+    describe_exit,
+    exit_hint,
+    remote_traceback,
+)
 from distvideo.executors.mp_worker import worker_main
 
 if TYPE_CHECKING:
@@ -47,6 +55,7 @@ class WorkerProcesses:
         self.poller = select.poll()
         self.fd_owner: dict[int, tuple[bool, int]] = {}
         self._rendezvous_dir: str | None = None
+        self.control = ControlBlock()  # the driver writes, the workers read between denoising steps
 
     def spawn(self) -> None:
         ctx = multiprocessing.get_context("spawn")
@@ -62,7 +71,7 @@ class WorkerProcesses:
             proc = ctx.Process(
                 target=worker_main,
                 name=f"distvideo-rank{rank}",
-                args=(child_end, self.engine, rank, init_method),
+                args=(child_end, self.engine, rank, init_method, self.control.name),
                 kwargs={"parent_pid": os.getpid(), "parent_death_signal": parent_death_signal},
             )
             with _sigint_blocked():
@@ -169,6 +178,7 @@ class WorkerProcesses:
         if self._rendezvous_dir is not None:
             shutil.rmtree(self._rendezvous_dir, ignore_errors=True)
             self._rendezvous_dir = None
+        self.control.close()
 
 
 @contextlib.contextmanager

@@ -47,6 +47,45 @@ class RemoteTraceback(Exception):
 
 
 @dataclass(frozen=True)
+class ProgressNote:
+    """Sent by the output rank after every denoising step of a request, before its answer."""
+
+    done: int
+    total: int
+
+
+#: The control block: a shared-memory word the driver writes and every worker reads between denoising steps: the id
+#: of the call to cancel (the workers decide together, with one all-reduce per step, so they stop at the same step).
+CONTROL = struct.Struct("<q")
+
+
+class ControlBlock:
+    """The driver's side creates it; a worker opens it by name."""
+
+    def __init__(self, name: str | None = None):
+        self.segment = SharedMemory(name=name, create=name is None, size=CONTROL.size)
+        self.owner = name is None
+        if self.owner:
+            CONTROL.pack_into(segment_buffer(self.segment), 0, -1)
+
+    @property
+    def name(self) -> str:
+        return self.segment.name
+
+    def cancel(self, call_id: int) -> None:
+        CONTROL.pack_into(segment_buffer(self.segment), 0, call_id)
+
+    def cancelled(self, call_id: int) -> bool:
+        return bool(CONTROL.unpack_from(segment_buffer(self.segment), 0)[0] == call_id)
+
+    def close(self) -> None:
+        self.segment.close()
+        if self.owner:
+            with contextlib.suppress(FileNotFoundError):
+                self.segment.unlink()
+
+
+@dataclass(frozen=True)
 class SharedFrames:
     """Where the output rank left its frames: a shared-memory segment the driver copies out and unlinks."""
 

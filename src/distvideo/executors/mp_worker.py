@@ -30,6 +30,8 @@ from distvideo.executors.mp_wire import (
     OP_FORWARD,
     OP_SHUTDOWN,
     STARTUP_ID,
+    ControlBlock,
+    ProgressNote,
     dumps,
     export_frames,
     segment_buffer,
@@ -88,6 +90,7 @@ def worker_main(
     engine: ResolvedEngine,
     rank: int,
     init_method: str,
+    control_name: str,
     *,
     parent_pid: int,
     parent_death_signal: bool,
@@ -135,7 +138,7 @@ def worker_main(
         _leave(1)
     conn.send_bytes(pickle.dumps((STARTUP_ID, RankStatus(rank=rank, ok=True, result="ready"))))
     try:
-        _serve(conn, worker, rank)
+        _serve(conn, worker, rank, ControlBlock(control_name))
     finally:
         worker.shutdown()
         logger.debug("worker stopped")
@@ -156,7 +159,7 @@ def _leave(code: int) -> NoReturn:
     os._exit(code)
 
 
-def _serve(conn: Connection, worker: Worker, rank: int) -> None:
+def _serve(conn: Connection, worker: Worker, rank: int, control: ControlBlock) -> None:
     while True:
         try:
             message = conn.recv_bytes()
@@ -167,7 +170,8 @@ def _serve(conn: Connection, worker: Worker, rank: int) -> None:
         if op == OP_SHUTDOWN:
             return
         payload = memoryview(message)[HEADER.size :]
-        status = run_guarded(rank, functools.partial(_execute, worker, op, payload))
+        call = functools.partial(_execute, worker, op, payload, conn, call_id, control)
+        status = run_guarded(rank, call)
         try:
             answer = dumps((call_id, status.for_transport()))
         except Exception as exc:
@@ -181,7 +185,9 @@ def _serve(conn: Connection, worker: Worker, rank: int) -> None:
             return  # the driver is gone
 
 
-def _execute(worker: Worker, op: int, payload: memoryview) -> Any:
+def _execute(
+    worker: Worker, op: int, payload: memoryview, conn: Connection, call_id: int, control: ControlBlock
+) -> Any:
     if op & IN_SHM:
         name, size = pickle.loads(payload)
         segment = SharedMemory(name=name)
@@ -192,6 +198,16 @@ def _execute(worker: Worker, op: int, payload: memoryview) -> Any:
         op &= ~IN_SHM
     if op == OP_FORWARD:
         request = pickle.loads(payload)
-        return export_frames(worker.execute_method("execute_forward", request))
+
+        def progress(done: int, total: int) -> None:  # the output rank reports each step to the driver
+            conn.send_bytes(dumps((call_id, ProgressNote(done, total))))
+
+        output = worker.execute_method(
+            "execute_forward",
+            request,
+            on_progress=progress if worker.is_output_rank else None,
+            cancelled=lambda: control.cancelled(call_id),
+        )
+        return export_frames(output)
     method, args, kwargs = pickle.loads(payload)
     return worker.execute_method(method, *args, **kwargs)

@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from distvideo.config import GenerationRequest
 from distvideo.models.compat import prompt_clean
 from distvideo.models.registry import ModelInfo
+from distvideo.pipelines.control import StepControl
 
 if TYPE_CHECKING:
     from distvideo.parallel.context import ParallelContext
@@ -150,14 +151,17 @@ class WanT2VPipeline:
         return uncond + batch.request.guidance_scale * (cond - uncond)
 
     @torch.no_grad()
-    def denoise(self, batch: WanBatch) -> None:
+    def denoise(self, batch: WanBatch, control: StepControl | None = None) -> None:
         assert batch.latents is not None and batch.timesteps is not None
         latents = batch.latents
-        with self._progress(len(batch.timesteps)) as bar:
-            for t in batch.timesteps:
+        total = len(batch.timesteps)
+        with self._progress(total) as bar:
+            for done, t in enumerate(batch.timesteps, start=1):
                 noise_pred = self.predict_noise(latents, t, batch)
                 latents = batch.scheduler.step(noise_pred, t, latents, return_dict=False)[0]
                 bar.update()
+                if control is not None:  # progress, and a stop (cancel, deadline) decided alike on every rank
+                    control.after_step(done, total)
         batch.latents = latents
 
     @torch.no_grad()
@@ -180,8 +184,9 @@ class WanT2VPipeline:
         batch.frames = frames.cpu().numpy()
 
     # -- driver ----------------------------------------------------------------------------------
-    def __call__(self, request: GenerationRequest) -> WanBatch:
-        """Run all stages for a request whose fields are resolved (see ModelInfo.resolve_request)."""
+    def __call__(self, request: GenerationRequest, control: StepControl | None = None) -> WanBatch:
+        """Run all stages for a request whose fields are resolved (see ModelInfo.resolve_request); `control` reports
+        progress and may stop the request between denoising steps."""
         assert request.guidance_scale is not None
         batch = WanBatch(request=request, do_cfg=request.guidance_scale > 1.0)
         with self._timed(batch, "text_encoding"):
@@ -191,7 +196,7 @@ class WanT2VPipeline:
         with self._timed(batch, "latents"):
             self.prepare_latents(batch)
         with self._timed(batch, "denoising"):
-            self.denoise(batch)
+            self.denoise(batch, control)
         with self._timed(batch, "decoding"):
             self.decode(batch)
         with self._timed(batch, "frames"):
