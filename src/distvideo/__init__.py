@@ -12,6 +12,7 @@ from distvideo.errors import (
     ModelLoadError,
     ProcessGroupBrokenError,
     RankFailure,
+    VideoWriteError,
     WorkerDiedError,
 )
 from distvideo.generator import GenerationResult, VideoGenerator
@@ -31,6 +32,7 @@ __all__ = [
     "ProcessGroupBrokenError",
     "RankFailure",
     "VideoGenerator",
+    "VideoWriteError",
     "WorkerDiedError",
     "__version__",
 ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -22,6 +23,15 @@ from distvideo.errors import ConfigError
 EXECUTORS = ("auto", "inline", "mp", "external")
 DTYPES = ("float32", "bfloat16", "float16")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+# Sane upper bounds of a request, checked before any work (what a model can take at all is checked against its
+# memory estimate when the request is resolved: models/memory.py).
+MAX_STEPS = 1000
+MAX_PROMPT_CHARS = 20_000  # the text encoder keeps max_sequence_length tokens; the rest is cut anyway
+MAX_SEQUENCE_LENGTH = 1024  # tokens; Wan's text encoders were trained with 512
+MAX_FPS = 240
+MAX_SIDE = 8192  # pixels per side
+MAX_FRAMES = 4097
 
 
 def _option(help: str, default: Any = None, **cli: Any) -> Any:
@@ -67,6 +77,12 @@ class EngineConfig:
         default_factory=list,
         metadata={"help": "LoRA adapter PATH[:STRENGTH]; repeat to stack", "parse": "lora", "metavar": "PATH[:S]"},
     )
+    lora_cache_mb: int | None = _option(
+        "MiB of cached LoRA adapters per rank; the least recently used inactive ones go first (default 1024)"
+    )
+    allow_pickle_weights: bool | None = _option(
+        "load .bin/.pt/.ckpt weights (a pickle can run code; default: only .safetensors)"
+    )
     compact_text_padding: bool | None = _option(
         "cross-attend to the text padding as one weighted key (exact; default on, DISTVIDEO_COMPACT_TEXT_PADDING)"
     )
@@ -83,6 +99,7 @@ class EngineConfig:
             compact_text_padding=_default(self.compact_text_padding, envs.get("DISTVIDEO_COMPACT_TEXT_PADDING")),
             cpu_kernels=_default(self.cpu_kernels, envs.get("DISTVIDEO_CPU_KERNELS")),
             progress=_default(self.progress, not envs.get("DISTVIDEO_NO_PROGRESS")),
+            lora_cache_mb=self.lora_cache_mb if self.lora_cache_mb is not None else envs.get("DISTVIDEO_LORA_CACHE_MB"),
             log_level=(self.log_level or envs.get("DISTVIDEO_LOG_LEVEL")).upper(),
             dist_timeout=self.dist_timeout
             if self.dist_timeout is not None
@@ -94,6 +111,10 @@ class EngineConfig:
             raise ConfigError(f"executor={self.executor!r} is not supported; choose one of {', '.join(EXECUTORS)}")
         if self.num_gpus is not None and self.num_gpus < 1:
             raise ConfigError(f"num_gpus={self.num_gpus} must be >= 1 (the number of ranks)")
+        if self.lora_cache_mb is not None and (
+            isinstance(self.lora_cache_mb, bool) or not isinstance(self.lora_cache_mb, int) or self.lora_cache_mb < 0
+        ):
+            raise ConfigError(f"lora_cache_mb={self.lora_cache_mb!r} must be a whole number of MiB, 0 or more")
         if self.sp_size is not None and self.sp_size < 1:
             raise ConfigError(f"sp_size={self.sp_size} must be >= 1")
         if self.dist_timeout is not None and not (self.dist_timeout > 0 and math.isfinite(self.dist_timeout)):
@@ -134,10 +155,18 @@ class GenerationRequest:
             raise ConfigError("prompt: must be a non-empty text, e.g. --prompt 'a cat surfing a wave'")
         if self.negative_prompt is not None and not isinstance(self.negative_prompt, str):
             raise ConfigError(f"negative_prompt: must be a text, got {type(self.negative_prompt).__name__}")
-        _check_int("num_frames", self.num_frames, minimum=1)  # the model's VAE sets which counts (4k+1 for Wan)
-        _check_int("height", self.height, minimum=1)
-        _check_int("width", self.width, minimum=1)
-        _check_int("num_inference_steps", self.num_inference_steps, minimum=1, flag="--steps")
+        for name in ("prompt", "negative_prompt"):
+            text = getattr(self, name)
+            if text is not None and len(text) > MAX_PROMPT_CHARS:
+                raise ConfigError(
+                    f"{name}: {len(text)} characters; at most {MAX_PROMPT_CHARS} (the text encoder reads only the "
+                    f"first max_sequence_length={self.max_sequence_length} tokens)"
+                )
+        # the model's VAE sets which frame counts it takes (4k+1 for Wan)
+        _check_int("num_frames", self.num_frames, minimum=1, maximum=MAX_FRAMES)
+        _check_int("height", self.height, minimum=1, maximum=MAX_SIDE)
+        _check_int("width", self.width, minimum=1, maximum=MAX_SIDE)
+        _check_int("num_inference_steps", self.num_inference_steps, minimum=1, maximum=MAX_STEPS, flag="--steps")
         if self.guidance_scale is not None:
             if isinstance(self.guidance_scale, bool) or not isinstance(self.guidance_scale, (int, float)):
                 raise ConfigError(f"guidance_scale: expected a number, got {self.guidance_scale!r}")
@@ -151,8 +180,8 @@ class GenerationRequest:
         _check_int("seed", self.seed, minimum=0)
         if self.seed >= 2**63:
             raise ConfigError(f"seed={self.seed} must be below 2**63")
-        _check_int("fps", self.fps, minimum=1)
-        _check_int("max_sequence_length", self.max_sequence_length, minimum=1)
+        _check_int("fps", self.fps, minimum=1, maximum=MAX_FPS)
+        _check_int("max_sequence_length", self.max_sequence_length, minimum=1, maximum=MAX_SEQUENCE_LENGTH)
         if self.request_timeout is not None and (
             isinstance(self.request_timeout, bool)
             or not isinstance(self.request_timeout, (int, float))
@@ -161,8 +190,12 @@ class GenerationRequest:
             raise ConfigError(
                 f"request_timeout={self.request_timeout!r} must be a positive, finite number of seconds (or unset)"
             )
-        if self.output_path is not None and not isinstance(self.output_path, str):
-            raise ConfigError(f"output_path: expected a path, got {self.output_path!r}")
+        if self.output_path is not None:
+            if not isinstance(self.output_path, str):
+                raise ConfigError(f"output_path: expected a path, got {self.output_path!r}")
+            problem = path_problem(self.output_path)
+            if problem:
+                raise ConfigError(f"output_path {self.output_path!r}: {problem}")
 
     def digest_fields(self) -> dict[str, Any]:
         """The fields every rank must agree on (all of them: the output path only matters on rank 0,
@@ -174,7 +207,7 @@ def _default(value: bool | None, default: Any) -> bool:
     return bool(default) if value is None else value
 
 
-def _check_int(name: str, value: Any, *, minimum: int, flag: str | None = None) -> None:
+def _check_int(name: str, value: Any, *, minimum: int, maximum: int | None = None, flag: str | None = None) -> None:
     if value is None:
         return
     label = name if flag is None else f"{name} ({flag})"
@@ -182,6 +215,24 @@ def _check_int(name: str, value: Any, *, minimum: int, flag: str | None = None) 
         raise ConfigError(f"{label}: expected an integer, got {value!r}")
     if value < minimum:
         raise ConfigError(f"{label}={value} must be >= {minimum}")
+    if maximum is not None and value > maximum:
+        raise ConfigError(f"{label}={value} must be <= {maximum}")
+
+
+NAME_MAX = 255  # bytes of one path component on Linux file systems
+PATH_MAX = 4096
+
+
+def path_problem(path: str) -> str | None:
+    """Why `path` cannot be a file name at all (NUL byte, over-long component or path), or None."""
+    if "\x00" in path:
+        return "contains a NUL byte"
+    if len(os.fsencode(path)) >= PATH_MAX:
+        return f"is {len(os.fsencode(path))} bytes long; paths are limited to {PATH_MAX - 1}"
+    for part in Path(path).parts:
+        if len(os.fsencode(part)) > NAME_MAX:
+            return f"has a name of {len(os.fsencode(part))} bytes ({part[:20]}...); names are limited to {NAME_MAX}"
+    return None
 
 
 # --- config files -------------------------------------------------------------------------------

@@ -80,3 +80,14 @@ def peak_memory_mb(device: torch.device) -> float:
     except OSError:
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Memory a request can still take: the free memory of a CUDA device, the available RAM of the machine on CPU
+    (shared by every rank on it)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    import psutil
+
+    return int(psutil.virtual_memory().available)

@@ -62,6 +62,12 @@ _declare(
     600.0,
     "Default dist_timeout in seconds: how long a collective waits for a peer before the job is declared broken.",
 )
+_declare(
+    "DISTVIDEO_LORA_CACHE_MB",
+    _int,
+    1024,
+    "Default lora_cache_mb: MiB of cached LoRA adapters per rank (least recently used inactive ones dropped first).",
+)
 _declare("DISTVIDEO_NO_PROGRESS", _bool, False, "Disable the tqdm progress bar (same as --no-progress).")
 _declare(
     "DISTVIDEO_COMPACT_TEXT_PADDING",

@@ -6,6 +6,8 @@ Bad input is a :class:`ConfigError` (the CLI exits with code 2, nothing is writt
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class ConfigError(ValueError):
     """Bad input or configuration: the CLI exits with code 2 and nothing is written."""
@@ -55,6 +57,16 @@ class GenerationTimeout(GenerationCancelled, TimeoutError):
     usable."""
 
 
+class VideoWriteError(RuntimeError):
+    """Writing the video failed after the frames were generated; `frames_path` (an .npy file beside the target) or
+    `frames` (when even that failed) keeps them."""
+
+    def __init__(self, message: str, frames_path: Any = None, frames: Any = None):
+        super().__init__(message)
+        self.frames_path = frames_path
+        self.frames = frames
+
+
 class ProcessGroupBrokenError(RuntimeError):
     """A collective failed (a rank died, did not arrive within dist_timeout, or left the group after a failure of its
     own): no collective can succeed on this process group again. The job must be restarted."""
@@ -71,5 +83,6 @@ __all__ = [
     "ModelLoadError",
     "ProcessGroupBrokenError",
     "RankFailure",
+    "VideoWriteError",
     "WorkerDiedError",
 ]

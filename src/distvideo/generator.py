@@ -15,9 +15,10 @@ import numpy as np
 
 from distvideo.config import ConfigError, EngineConfig, GenerationRequest, LoraSpec
 from distvideo.engine import ResolvedEngine
+from distvideo.errors import RankFailure, VideoWriteError
 from distvideo.executors import Executor, create_executor, resolve_engine
 from distvideo.logging_utils import configure_logging
-from distvideo.media import resolve_output_path, write_video
+from distvideo.media import check_video_output, resolve_output_path, write_array, write_video
 from distvideo.models.registry import ModelInfo
 
 logger = logging.getLogger(__name__)
@@ -166,8 +167,13 @@ class VideoGenerator:
     ) -> GenerationResult:
         start = time.perf_counter()
         executor = self.executor
-        try:
-            resolved, invalid = self.model_info.resolve_request(request), None  # bad input fails here, before any work
+        try:  # bad input fails here, before any work
+            resolved, invalid = self.model_info.resolve_request(request), None
+            if executor.is_output_rank and resolved.save_video:  # the writer's problems too, not after generating
+                assert resolved.width is not None and resolved.height is not None
+                check_video_output(
+                    resolved.output_path, resolved.prompt, resolved.seed, resolved.width, resolved.height, resolved.fps
+                )
         except ConfigError as exc:
             resolved, invalid = None, exc
         # Under a launcher every rank compares the arguments and whether they were valid, so a request refused on one
@@ -177,14 +183,14 @@ class VideoGenerator:
             raise invalid
         assert resolved is not None
         request = resolved
-        out = executor.execute_forward(request, on_progress)
+        out = _refusals_as_config_errors(lambda: executor.execute_forward(request, on_progress))
         timings = dict(out.timings)
         video_path: str | None = None
         frames = out.frames if executor.is_output_rank else None
         if executor.is_output_rank and request.save_video and frames is not None:
             t0 = time.perf_counter()
             target = resolve_output_path(request.output_path, request.prompt, request.seed)
-            video_path = str(write_video(frames, target, fps=request.fps))
+            video_path = str(_write_or_keep(frames, target, request.fps))
             timings["video_writing"] = time.perf_counter() - t0
         timings["total"] = time.perf_counter() - start
         if executor.is_output_rank:
@@ -243,6 +249,13 @@ class VideoGenerator:
 
         merge_weights(self.executor)
 
+    def remove_lora_adapter(self, nickname: str) -> None:
+        """Drop a cached adapter that is not active, on every rank (the cache also drops the least recently used
+        ones by itself beyond lora_cache_mb)."""
+        from distvideo.lora.control import remove_adapter
+
+        remove_adapter(self.executor, nickname)
+
     def clear_lora_adapters(self) -> None:
         """Deactivate every adapter; the weights become bit-identical to the base. Cached adapters stay."""
         from distvideo.lora.control import clear_adapters
@@ -269,6 +282,42 @@ class VideoGenerator:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _write_or_keep(frames: np.ndarray, target: Path, fps: int) -> Path:
+    """Write the video; if that fails after all (the disk filled up, the folder vanished), keep the frames: saved
+    beside the target as `<name>.frames.npy` (np.load), or, if even that fails, on the raised error."""
+    try:
+        return write_video(frames, target, fps=fps)
+    except Exception as exc:
+        fallback = target.with_name(f"{target.stem}.frames.npy")
+        try:
+            saved = write_array(frames, fallback)
+        except Exception:
+            raise VideoWriteError(
+                f"writing {target} failed ({type(exc).__name__}: {exc}) and so did saving the frames beside it; "
+                "the frames are on this error (.frames)",
+                None,
+                frames,
+            ) from exc
+        raise VideoWriteError(
+            f"writing {target} failed ({type(exc).__name__}: {exc}); the frames were saved to {saved} "
+            "(numpy.load) so the generation is not lost",
+            saved,
+            None,
+        ) from exc
+
+
+def _refusals_as_config_errors(run: Callable[[], Any]) -> Any:
+    """A request every failing rank refused as bad input (it does not fit their memory) is bad input: ConfigError,
+    exit 2, not a runtime failure."""
+    try:
+        return run()
+    except RankFailure as exc:
+        if exc.failures and all(kind == "ConfigError" for kind, _ in exc.failures.values()):
+            lines = [f"  rank {rank}: {message}" for rank, (_, message) in sorted(exc.failures.items())]
+            raise ConfigError("the request was refused:\n" + "\n".join(lines)) from exc
+        raise
 
 
 def _text_or_none(exc: BaseException | None) -> str | None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
+import io
 import os
 import re
 import unicodedata
@@ -19,20 +21,29 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from distvideo.errors import ConfigError
+
 _MAX_STEM = 60
 
 
 def sanitize_prompt(prompt: str) -> str:
-    """A file-name-safe stem from a prompt: ASCII words joined by '_', at most 60 characters."""
-    ascii_text = unicodedata.normalize("NFKD", prompt).encode("ascii", "ignore").decode()
-    words = re.findall(r"[A-Za-z0-9]+", ascii_text.lower())
-    stem = "_".join(words)[:_MAX_STEM].strip("_")
-    return stem or "video"
+    """A file-name-safe stem from a prompt: its words transliterated to ASCII (anyascii: 'Кошка' -> 'koshka',
+    '日本' -> 'riben') and joined by '_', at most 60 characters. A prompt that is not plain ASCII also gets 8 hex
+    digits of its hash, so two prompts that read alike in ASCII keep apart names."""
+    from anyascii import anyascii
+
+    normalized = unicodedata.normalize("NFC", prompt)
+    words = re.findall(r"[A-Za-z0-9]+", anyascii(normalized).lower())
+    stem = "_".join(words)[:_MAX_STEM].strip("_") or "video"
+    if not normalized.isascii():
+        stem = f"{stem[: _MAX_STEM - 9]}_{hashlib.sha256(normalized.encode()).hexdigest()[:8]}"
+    return stem
 
 
 def resolve_output_path(output: str | None, prompt: str, seed: int, default_dir: str = "outputs") -> Path:
     """`output` ending in .mp4 is a file; otherwise (or None) a folder where the name comes from the
-    prompt and seed. Never an existing file: `_1`, `_2`, ... are appended until the name is free."""
+    prompt and seed. Never an existing entry (a dangling symlink counts): `_1`, `_2`, ... are appended until the
+    name is free."""
     if output is not None and output.lower().endswith(".mp4"):
         target = Path(output)
     else:
@@ -42,14 +53,49 @@ def resolve_output_path(output: str | None, prompt: str, seed: int, default_dir:
 
 
 def _first_free(target: Path) -> Path:
-    if not target.exists():
+    if not os.path.lexists(target):
         return target
     n = 1
     while True:
         candidate = target.with_name(f"{target.stem}_{n}{target.suffix}")
-        if not candidate.exists():
+        if not os.path.lexists(candidate):
             return candidate
         n += 1
+
+
+def check_output_target(target: Path) -> None:
+    """Refuse (ConfigError) an output the writer could not create, before any work: a folder that is a file, a
+    folder or the nearest existing ancestor not writable, a name too long for the file system."""
+    from distvideo.config import path_problem
+
+    problem = path_problem(str(target))
+    if problem:
+        raise ConfigError(f"output_path {str(target)!r}: {problem}")
+    folder = target.parent
+    existing = folder
+    while not os.path.lexists(existing) and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"output_path {str(target)!r}: {existing} is not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "the folder" if existing == folder else f"{existing}, where its folder would be created,"
+        raise ConfigError(f"output_path {str(target)!r}: {what} is not writable by this user")
+
+
+def check_encoder(width: int, height: int, fps: int) -> None:
+    """Refuse (ConfigError) settings the encoder would reject after the whole generation: open it once, with no
+    frame, in memory."""
+    import av
+
+    if width % 2 or height % 2:
+        raise ConfigError(f"width={width}, height={height}: H.264 yuv420p needs an even width and height")
+    try:
+        with av.open(io.BytesIO(), mode="w", format="mp4") as container:
+            stream = container.add_stream("libx264", rate=fps, options=dict(X264_OPTIONS))
+            stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+            stream.codec_context.open()
+    except (av.FFmpegError, ValueError) as exc:
+        raise ConfigError(f"the video encoder refuses {width}x{height} at fps={fps}: {exc}") from None
 
 
 # --- encoding -------------------------------------------------------------------------------------------------------
@@ -140,10 +186,10 @@ class _PendingFile:
     def __init__(self, folder: Path):
         self.named: Path | None = None
         try:
-            fd = os.open(folder, os.O_TMPFILE | os.O_RDWR, 0o644)
+            fd = os.open(folder, os.O_TMPFILE | os.O_RDWR, 0o666)  # the umask applies, as to any new file
         except (AttributeError, OSError):
             self.named = folder / f".distvideo-{os.getpid()}-{uuid.uuid4().hex[:8]}.partial.mp4"
-            fd = os.open(self.named, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
+            fd = os.open(self.named, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o666)
         self.file: BinaryIO = os.fdopen(fd, "w+b")
 
     def _link(self, target: Path) -> None:
@@ -204,3 +250,24 @@ def write_video(
         return pending.publish(target)
     finally:
         pending.discard()
+
+
+def write_array(array: np.ndarray, path: str | Path) -> Path:
+    """Save an array as .npy atomically (the video writer's fallback); never over an existing entry."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    pending = _PendingFile(target.parent)
+    try:
+        np.save(pending.file, array, allow_pickle=False)
+        return pending.publish(target)
+    finally:
+        pending.discard()
+
+
+def check_video_output(output_path: str | None, prompt: str, seed: int, width: int, height: int, fps: int) -> Path:
+    """Everything about writing a request's video that can be checked before generating it (the path, the folder,
+    the encoder's settings); ConfigError on a problem, else the path the video would get now."""
+    target = resolve_output_path(output_path, prompt, seed)
+    check_output_target(target)
+    check_encoder(width, height, fps)
+    return target

@@ -17,13 +17,23 @@ import numpy as np
 import torch
 
 from distvideo.config import GenerationRequest
-from distvideo.devices import component_dtypes, default_num_threads, peak_memory_mb, reset_peak_memory, select_device
+from distvideo.devices import (
+    available_memory_bytes,
+    component_dtypes,
+    default_num_threads,
+    peak_memory_mb,
+    reset_peak_memory,
+    select_device,
+)
 from distvideo.engine import ResolvedEngine
+from distvideo.errors import ConfigError
 from distvideo.launch import LaunchEnv
 from distvideo.models import compat
 from distvideo.models.loading import load_components
+from distvideo.models.memory import USABLE_FRACTION, estimate_request, fitting_size
 from distvideo.models.plans import apply_plans, speed_plans
 from distvideo.parallel.collectives import collective
+from distvideo.parallel.vae import decode_band_count
 from distvideo.pipelines.control import StepControl
 
 if TYPE_CHECKING:
@@ -143,7 +153,11 @@ class Worker:
         from distvideo.pipelines import PIPELINES
 
         model = self.model_info
-        components = load_components(model, component_dtypes(self.device, self.config.dtype))
+        components = load_components(
+            model,
+            component_dtypes(self.device, self.config.dtype),
+            allow_pickle_weights=bool(self.config.allow_pickle_weights),
+        )
         plans = [*(self.parallel.plans() if self.parallel is not None else []), *speed_plans(self.config)]
         self._undo_plans = apply_plans(components, plans)
         pipeline_cls = PIPELINES[model.family.pipeline]
@@ -194,6 +208,7 @@ class Worker:
         every rank alike when it passed its request_timeout or `cancelled()` says so on any rank."""
         if self.pipeline is None:
             raise RuntimeError("the worker has no model loaded (was it shut down?)")
+        self._refuse_if_it_cannot_fit(request)
         reset_peak_memory(self.device)
         control = StepControl(
             timeout=request.request_timeout,
@@ -208,6 +223,46 @@ class Worker:
             frames=batch.frames if keep else None,
             timings=batch.timings,
             peak_memory_mb=peak_memory_mb(self.device),
+        )
+
+    def _refuse_if_it_cannot_fit(self, request: GenerationRequest) -> None:
+        """ConfigError before any work when the request's activations would not fit this rank's memory (every rank
+        on a CPU node shares the machine's RAM). The ranks decide together: where one refuses, all do."""
+        layout = self.engine.layout
+        bands = 1
+        if self.parallel is not None:
+            _, _, _, latent_rows, _ = self.model_info.latent_shape(request)
+            bands = decode_band_count(latent_rows, layout.world_size)
+        dtype = component_dtypes(self.device, self.config.dtype)["transformer"]
+        # the output rank's share (it also holds the video), on every rank: the same decision everywhere
+        estimate = estimate_request(
+            self.model_info,
+            request,
+            sp_size=layout.sp_size,
+            decode_bands=bands,
+            dtype_bytes=torch.empty((), dtype=dtype).element_size(),
+        )
+        sharing = (self.rank_info.local_world_size or 1) if self.device.type == "cpu" else 1
+        limit = int(USABLE_FRACTION * available_memory_bytes(self.device))
+        refuse = estimate.total * sharing > limit
+        if self.world_size > 1:
+            flag = torch.tensor([int(refuse)], dtype=torch.int32)
+            flags = [torch.zeros_like(flag) for _ in range(self.world_size)]
+            with collective("the memory check of a request"):
+                torch.distributed.all_gather(flags, flag, group=self.cpu_group)
+            refusing = [r for r, f in enumerate(flags) if int(f)]
+            if refusing and not refuse:
+                raise ConfigError(f"the request does not fit the memory of rank(s) {refusing} (see their message)")
+        if not refuse:
+            return
+        height, width = fitting_size(self.model_info, request, estimate.total * sharing, limit)
+        where = f"{sharing} ranks share this machine's RAM" if sharing > 1 else f"on {self.device}"
+        raise ConfigError(
+            f"the request ({request.num_frames} frames of {request.width}x{request.height}) needs "
+            f"{estimate.describe()} per rank ({where}), more than the {limit / 2**30:.2f} GiB this rank can use "
+            f"({int(USABLE_FRACTION * 100)}% of the memory available now). It would fit at about {width}x{height}; or "
+            "spread the decode over more ranks (the banded decode divides its memory by the number of ranks), or use "
+            "a machine with more memory."
         )
 
     def execute_method(self, method: Any, *args: Any, **kwargs: Any) -> Any:

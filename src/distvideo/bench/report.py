@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
 import platform
 import statistics
+import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -105,9 +107,17 @@ def environment(gen: Any, plan: BenchPlan, rank_envs: list[dict[str, Any]], runs
 
 
 def write_json(path: Path, report: Mapping[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(report, indent=2) + "\n")
-    os.replace(tmp, path)
+    """Atomically: a new temporary file beside `path` (created exclusively, so a symlink planted there is never
+    followed), renamed over `path` (which replaces a symlink at `path` itself, not its target)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(report, indent=2) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
 
 
 # -- the table -----------------------------------------------------------------------------------

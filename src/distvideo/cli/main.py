@@ -41,11 +41,18 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_generate(args: argparse.Namespace) -> int:
     from distvideo.executors import resolve_engine
     from distvideo.generator import VideoGenerator
+    from distvideo.media import check_video_output
 
     engine_config, request = configs_from_args(args)
     engine = resolve_engine(engine_config)
-    # check the request against the model's JSON files before any process starts or weight loads
+    # check the request against the model's JSON files, and where its video would go, before any process starts or
+    # weight loads (under a launcher the ranks check the output together, on rank 0, before any work)
     request = engine.model.resolve_request(request)
+    if request.save_video and engine.launch is None:
+        assert request.width is not None and request.height is not None
+        check_video_output(
+            request.output_path, request.prompt, request.seed, request.width, request.height, request.fps
+        )
     with VideoGenerator.from_engine(engine) as gen:
         result = gen.generate_request(request)
         if gen.is_output_rank and result.video_path:

@@ -124,7 +124,7 @@ class ExternalExecutor(Executor):
             )
         local = status.result
         # a request stopped on purpose stopped on every rank at the same step (StepControl): nothing to settle
-        settle = status.error_type not in ("GenerationCancelled", "GenerationTimeout")
+        settle = status.error_type not in ("GenerationCancelled", "GenerationTimeout", "ConfigError")
         self._exchange("execute_forward", "execute_forward", dataclasses.replace(status, result=None), settle=settle)
         return local
 

@@ -50,7 +50,7 @@ def resolve_engine(config: EngineConfig, environ: Mapping[str, str] | None = Non
     if config.model is None:
         config = dataclasses.replace(config, model=str(embedded_model_path()))
     model = probe_model(str(config.model))
-    verify_component_files(model)
+    verify_component_files(model, allow_pickle_weights=bool(config.allow_pickle_weights))
     environ = read_launch_environ() if environ is None else environ
     kind = choose_executor(config, launcher_rank_present(environ))
     launch = resolve_external_env(config, environ) if kind == "external" else None

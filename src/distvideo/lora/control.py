@@ -107,6 +107,20 @@ def clear_adapters(executor: LoraExecutor) -> None:
     _change(executor, "clear_lora_adapters", on_rank.clear_adapters)
 
 
+def remove_adapter(executor: LoraExecutor, nickname: str) -> None:
+    """Drop a cached, inactive adapter on every rank (no weights change)."""
+    if not isinstance(nickname, str):
+        raise LoraError(f"remove_lora_adapter: nickname must be a text, got {nickname!r}")
+    executor.ensure_consistent("remove_lora_adapter", {"call": "remove_lora_adapter", "nickname": nickname})
+    try:
+        executor.collective_rpc(on_rank.remove_adapter, args=(nickname,))
+    except Exception as exc:
+        user_error = _user_error(exc, f"remove_lora_adapter({nickname!r})", executor.world_size)
+        if user_error is None:
+            raise
+        raise user_error from exc
+
+
 def _change(executor: LoraExecutor, what: str, fn: Callable[..., Any]) -> None:
     executor.ensure_consistent(what, {"call": what})
     _transition(executor, fn, what)

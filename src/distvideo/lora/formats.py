@@ -226,6 +226,11 @@ def parse_lora_state_dict(
             skipped.append(key)  # diffusers drops these too: published files hold zeros there
             continue
         weights = layers.setdefault(layer, LoraLayerWeights())
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise LoraError(
+                f"LoRA file {source!r}: {key} holds NaN or infinite values; the adapter would turn every frame into "
+                "noise or black. The file is corrupt or was saved from a diverged training run."
+            )
         if kind == "alpha":
             if tensor.numel() != 1:
                 raise LoraError(
@@ -250,9 +255,11 @@ def parse_lora_state_dict(
         if weights.down is None and weights.diff is None and weights.bias is None:
             raise LoraError(f"LoRA file {source!r}: layer {layer} has an alpha but no LoRA matrices")
         if weights.down is not None and weights.up is not None:
-            if weights.down.dim() != 2 or weights.up.dim() != 2 or weights.down.shape[0] != weights.up.shape[1]:
+            down, up = weights.down, weights.up
+            if down.dim() != 2 or up.dim() != 2 or down.shape[0] != up.shape[1] or down.shape[0] == 0:
                 raise LoraError(
-                    f"LoRA file {source!r}: layer {layer} has lora_A of shape {tuple(weights.down.shape)} and lora_B "
-                    f"of shape {tuple(weights.up.shape)}; expected (rank, in_features) and (out_features, rank)"
+                    f"LoRA file {source!r}: layer {layer} has lora_A of shape {tuple(down.shape)} and lora_B "
+                    f"of shape {tuple(up.shape)}; expected (rank, in_features) and (out_features, rank) with the same "
+                    "rank of at least 1"
                 )
     return layers, skipped

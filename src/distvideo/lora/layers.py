@@ -36,6 +36,11 @@ class LoraAdapter:
     def rank(self) -> int:
         return max((w.rank for w in self.layers.values()), default=0)
 
+    @property
+    def nbytes(self) -> int:
+        tensors = [t for w in self.layers.values() for t in (w.down, w.up, w.diff, w.bias) if t is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     def describe(self) -> dict[str, Any]:
         return {
             "nickname": self.nickname,
@@ -158,6 +163,7 @@ class LoraState:
     active: list[tuple[str, float]] = field(default_factory=list)  # (nickname, strength), in stacking order
     merged: bool = True
     pending: _Pending | None = None
+    cache_bytes: int = 1024 * 2**20  # LRU limit of the adapter cache (active adapters always stay)
     _base: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)  # CPU copies
     _hooks: list[Any] = field(default_factory=list)
     _undo: _Undo | None = None
@@ -209,9 +215,37 @@ class LoraState:
             raise RuntimeError("no prepared LoRA change to commit (prepare failed or was aborted)")
         pending, self.pending = self.pending, None
         cache = dict(self.cache)
-        if pending.adapter is not None:
-            cache[pending.nickname] = pending.adapter
-        self.transition(pending.active, merged=True, cache=cache)
+        adapter = pending.adapter if pending.adapter is not None else cache.pop(pending.nickname)
+        cache[pending.nickname] = adapter  # the most recently used last
+        self.transition(pending.active, merged=True, cache=self._bounded(cache, pending.active))
+
+    def _bounded(self, cache: dict[str, LoraAdapter], active: list[tuple[str, float]]) -> dict[str, LoraAdapter]:
+        """The cache within `cache_bytes`: the least recently used adapters that are not active are dropped."""
+        keep = {nickname for nickname, _ in active}
+        bounded = dict(cache)
+        for nickname in list(bounded):
+            if sum(a.nbytes for a in bounded.values()) <= self.cache_bytes:
+                break
+            if nickname not in keep:
+                del bounded[nickname]
+                logger.info(
+                    "LoRA adapter %r dropped from the cache (least recently used; cache limit %d MiB)",
+                    nickname,
+                    self.cache_bytes // 2**20,
+                )
+        return bounded
+
+    def remove(self, nickname: str) -> None:
+        """Drop a cached adapter that is not active (no weight changes)."""
+        if nickname not in self.cache:
+            cached = ", ".join(repr(n) for n in self.cache) or "none"
+            raise LoraError(f"remove_lora_adapter({nickname!r}): no such adapter is cached (cached: {cached})")
+        if any(n == nickname for n, _ in self.active):
+            raise LoraError(
+                f"remove_lora_adapter({nickname!r}): the adapter is active; switch to another one or call "
+                "clear_lora_adapters() first"
+            )
+        del self.cache[nickname]
 
     def transition(
         self, active: list[tuple[str, float]], *, merged: bool, cache: dict[str, LoraAdapter] | None = None

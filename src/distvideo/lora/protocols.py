@@ -33,3 +33,4 @@ class LoraWorker(Protocol):
 
     pipeline: Any
     lora: LoraState | None
+    config: Any  # distvideo.config.EngineConfig: lora_cache_mb

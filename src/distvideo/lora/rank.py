@@ -25,7 +25,8 @@ def lora_state(worker: LoraWorker) -> LoraState:
         raise RuntimeError("the worker has no model loaded (was it shut down?)")
     state = worker.lora
     if state is None or state.model is not pipeline.transformer:
-        state = LoraState(pipeline.transformer)
+        limit = worker.config.lora_cache_mb
+        state = LoraState(pipeline.transformer, cache_bytes=(1024 if limit is None else limit) * 2**20)
         worker.lora = state
     return state
 
@@ -68,6 +69,12 @@ def unmerge_weights(worker: LoraWorker) -> dict[str, Any]:
 def clear_adapters(worker: LoraWorker) -> dict[str, Any]:
     state = lora_state(worker)
     state.transition([], merged=True)
+    return state.describe()
+
+
+def remove_adapter(worker: LoraWorker, nickname: str) -> dict[str, Any]:
+    state = lora_state(worker)
+    state.remove(nickname)
     return state.describe()
 
 

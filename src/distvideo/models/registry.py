@@ -50,6 +50,8 @@ class ModelInfo:
     num_attention_heads: int
     latent_channels: int = 16  # the transformer's in_channels (the VAE's z_dim for text-to-video)
     defaults: dict[str, Any] = field(default_factory=dict)
+    transformer_config: dict[str, Any] = field(default_factory=dict)  # the JSON files, as read
+    vae_config: dict[str, Any] = field(default_factory=dict)
 
     @property
     def spatial_stride(self) -> int:
@@ -163,4 +165,6 @@ def probe_model(path: str | Path) -> ModelInfo:
         num_attention_heads=int(tr_cfg.get("num_attention_heads", 1)),
         latent_channels=int(tr_cfg.get("in_channels", vae_cfg.get("z_dim", 16))),
         defaults=defaults,
+        transformer_config=tr_cfg,
+        vae_config=vae_cfg,
     )
