@@ -67,6 +67,9 @@ class EngineConfig:
     num_gpus: int | None = _option("number of ranks (default 1, or the launcher's world size)")
     executor: str = _option("how ranks exist", "auto", choices=EXECUTORS)
     sp_size: int | None = _option("sequence-parallel degree (default: automatic)")
+    replicas: int | None = _option(
+        "data-parallel replicas for batch jobs: world = replicas x cfg x sp (default 1, or derived from fixed cfg/sp)"
+    )
     cfg_parallel: bool | None = _option("run the two guidance branches on two halves of the ranks (default: auto)")
     dist_timeout: float | None = _option(
         "seconds a collective may wait for a peer (default 600, DISTVIDEO_DIST_TIMEOUT)", parse="seconds"
@@ -117,6 +120,8 @@ class EngineConfig:
             raise ConfigError(f"lora_cache_mb={self.lora_cache_mb!r} must be a whole number of MiB, 0 or more")
         if self.sp_size is not None and self.sp_size < 1:
             raise ConfigError(f"sp_size={self.sp_size} must be >= 1")
+        if self.replicas is not None and self.replicas < 1:
+            raise ConfigError(f"replicas={self.replicas} must be >= 1")
         if self.dist_timeout is not None and not (self.dist_timeout > 0 and math.isfinite(self.dist_timeout)):
             raise ConfigError(f"dist_timeout={self.dist_timeout} must be a positive, finite number of seconds")
         if self.dtype is not None and self.dtype not in DTYPES:

@@ -6,13 +6,14 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from distvideo.batch.run import BatchResult
 from distvideo.config import ConfigError, EngineConfig, GenerationRequest, LoraSpec
 from distvideo.engine import ResolvedEngine
 from distvideo.errors import RankFailure, VideoWriteError
@@ -156,6 +157,29 @@ class VideoGenerator:
             request_timeout=request_timeout,
         )
         return self.generate_request(request, on_progress=on_progress)
+
+    def generate_batch(
+        self,
+        items: Iterable[str | Mapping[str, Any]],
+        *,
+        output_dir: str | Path = "outputs",
+        batch_seed: int = 0,
+        return_frames: bool = False,
+        progress: bool | None = None,
+        **defaults: Any,
+    ) -> list[BatchResult]:
+        """Generate every item (a prompt, or a mapping with `prompt` and optional negative_prompt, seed, num_frames,
+        height, width, num_inference_steps, guidance_scale, fps, output) over the engine's replicas, writing one
+        video per item and `manifest.jsonl` into `output_dir`; items already done there (same arguments, video
+        whole) are not redone. `defaults`: request fields for every item. An item without a seed gets one derived
+        from `batch_seed` and its index. Results in input order (frames only with `return_frames`, on the process
+        that holds them); a failed item is a result with its error, the batch goes on (docs/batch.md)."""
+        from distvideo.batch import plan_batch, run_batch
+
+        template = GenerationRequest(prompt="-", **defaults)  # the item's fields go on top
+        plan = plan_batch(items, self.model_info, folder=output_dir, defaults=template, batch_seed=batch_seed)
+        show = bool(self.config.progress) if progress is None else progress
+        return run_batch(self, plan, return_frames=return_frames, progress=show)
 
     def cancel(self) -> None:
         """Stop the request this generator is running, at its next denoising step on every rank (it raises

@@ -203,9 +203,16 @@ class _PendingFile:
             err = ctypes.get_errno()
             raise OSError(err, os.strerror(err), str(target))
 
-    def publish(self, target: Path) -> Path:
+    def publish(self, target: Path, *, replace: bool = False) -> Path:
+        """Name the file `target` (the next free `_N` name if taken), or, with `replace`, put it in place of whatever
+        is at `target` in one rename (batch outputs, which the job owns)."""
         self.file.flush()
         os.fsync(self.file.fileno())
+        if replace:
+            staging = target.with_name(f".{target.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.partial")
+            self._link(staging)
+            os.replace(staging, target)
+            return target
         while True:
             try:
                 self._link(target)
@@ -230,8 +237,10 @@ def write_video(
     fps: int = 16,
     *,
     encode: Callable[[np.ndarray, BinaryIO, int], None] | None = None,
+    replace: bool = False,
 ) -> Path:
-    """Write uint8 frames (T, H, W, 3) to `path` atomically and return the final path.
+    """Write uint8 frames (T, H, W, 3) to `path` atomically and return the final path; with `replace`, in place of
+    an existing file at `path` (one rename: readers see the old file or the new one).
 
     The video is encoded into a file without a name (or a hidden temporary one) in the target folder
     and linked into place only after the encoder finished; linking never overwrites, so if `path`
@@ -247,7 +256,7 @@ def write_video(
     pending = _PendingFile(target.parent)
     try:
         (encode or _encode_mp4)(frames, pending.file, fps)
-        return pending.publish(target)
+        return pending.publish(target, replace=replace)
     finally:
         pending.discard()
 

@@ -26,7 +26,7 @@ from distvideo.devices import (
     select_device,
 )
 from distvideo.engine import ResolvedEngine
-from distvideo.errors import ConfigError
+from distvideo.errors import ConfigError, GenerationCancelled
 from distvideo.launch import LaunchEnv
 from distvideo.models import compat
 from distvideo.models.loading import load_components
@@ -78,6 +78,22 @@ class WorkerOutput:
     peak_memory_mb: float = 0.0
 
 
+@dataclass
+class ItemOutcome:
+    """One batch item, as its replica's output rank reports it: the output (frames included) or why it failed."""
+
+    index: int
+    replica: int
+    output: WorkerOutput | None = None
+    error_type: str = ""
+    error: str = ""
+
+
+#: errors every rank of a replica raises together for one item (decided collectively): the item fails, the batch goes
+#: on. Anything else ends the batch (a rank alone in trouble leaves its replica's collectives hanging).
+ITEM_FAILURES = (ConfigError, GenerationCancelled)
+
+
 _process_groups_created = 0  # in this process; every rank creates the same sequence, so the numbers agree
 
 
@@ -112,7 +128,19 @@ class Worker:
 
     @property
     def is_output_rank(self) -> bool:
-        return self.rank == self.rank_info.output_rank
+        """Whether this rank holds its replica's frames (with one replica: the world's output rank)."""
+        return self.engine.layout.replica_rank(self.rank) == 0
+
+    @property
+    def replica(self) -> int:
+        return self.engine.layout.replica(self.rank)
+
+    @property
+    def replica_group(self) -> Any:
+        """The CPU group of the ranks that run a request together: this rank's replica (None: a single rank)."""
+        if self.parallel is None or self.engine.layout.replica_size == 1:
+            return None
+        return self.parallel.replica_group
 
     @property
     def timeout(self) -> timedelta | None:
@@ -206,6 +234,17 @@ class Worker:
     ) -> WorkerOutput:
         """Run one request. Between denoising steps `on_progress(done, total)` is called and the request stops on
         every rank alike when it passed its request_timeout or `cancelled()` says so on any rank."""
+        if self.replica != 0:  # a single request runs on the first replica; batches give every replica its share
+            return WorkerOutput(rank=self.rank, frames=None)
+        return self._forward(request, on_progress=on_progress, cancelled=cancelled)
+
+    def _forward(
+        self,
+        request: GenerationRequest,
+        *,
+        on_progress: Callable[[int, int], None] | None,
+        cancelled: Callable[[], bool] | None,
+    ) -> WorkerOutput:
         if self.pipeline is None:
             raise RuntimeError("the worker has no model loaded (was it shut down?)")
         self._refuse_if_it_cannot_fit(request)
@@ -214,7 +253,7 @@ class Worker:
             timeout=request.request_timeout,
             cancelled=cancelled,
             on_progress=on_progress,
-            group=self.cpu_group if self.world_size > 1 else None,
+            group=self.replica_group,
         )
         batch = self.pipeline(request, control)
         keep = self.is_output_rank and (request.return_frames or request.save_video)
@@ -225,6 +264,25 @@ class Worker:
             peak_memory_mb=peak_memory_mb(self.device),
         )
 
+    def execute_batch(
+        self,
+        shares: list[list[tuple[int, GenerationRequest]]],
+        report: Callable[[ItemOutcome], None],
+        cancelled: Callable[[], bool] | None = None,
+    ) -> int:
+        """Run this rank's replica's share of a batch, in order; its output rank calls `report` after every item.
+        Returns how many items this replica ran."""
+        share = shares[self.replica] if self.replica < len(shares) else []
+        for index, request in share:
+            try:
+                output = self._forward(request, on_progress=None, cancelled=cancelled)
+                outcome = ItemOutcome(index=index, replica=self.replica, output=output)
+            except ITEM_FAILURES as exc:
+                outcome = ItemOutcome(index, self.replica, error_type=type(exc).__name__, error=str(exc))
+            if self.is_output_rank:
+                report(outcome)
+        return len(share)
+
     def _refuse_if_it_cannot_fit(self, request: GenerationRequest) -> None:
         """ConfigError before any work when the request's activations would not fit this rank's memory (every rank
         on a CPU node shares the machine's RAM). The ranks decide together: where one refuses, all do."""
@@ -232,7 +290,7 @@ class Worker:
         bands = 1
         if self.parallel is not None:
             _, _, _, latent_rows, _ = self.model_info.latent_shape(request)
-            bands = decode_band_count(latent_rows, layout.world_size)
+            bands = decode_band_count(latent_rows, layout.replica_size)
         dtype = component_dtypes(self.device, self.config.dtype)["transformer"]
         # the output rank's share (it also holds the video), on every rank: the same decision everywhere
         estimate = estimate_request(
@@ -245,12 +303,14 @@ class Worker:
         sharing = (self.rank_info.local_world_size or 1) if self.device.type == "cpu" else 1
         limit = int(USABLE_FRACTION * available_memory_bytes(self.device))
         refuse = estimate.total * sharing > limit
-        if self.world_size > 1:
+        group = self.replica_group
+        if group is not None:
             flag = torch.tensor([int(refuse)], dtype=torch.int32)
-            flags = [torch.zeros_like(flag) for _ in range(self.world_size)]
+            flags = [torch.zeros_like(flag) for _ in range(layout.replica_size)]
             with collective("the memory check of a request"):
-                torch.distributed.all_gather(flags, flag, group=self.cpu_group)
-            refusing = [r for r, f in enumerate(flags) if int(f)]
+                torch.distributed.all_gather(flags, flag, group=group)
+            first = layout.output_ranks()[self.replica]
+            refusing = [first + r for r, f in enumerate(flags) if int(f)]
             if refusing and not refuse:
                 raise ConfigError(f"the request does not fit the memory of rank(s) {refusing} (see their message)")
         if not refuse:

@@ -31,14 +31,58 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = _Parser(prog="distvideo", description="Distributed inference for video diffusion transformers.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    gen = sub.add_parser("generate", help="generate a video from a text prompt")
+    gen = sub.add_parser("generate", help="generate a video from a text prompt, or one per line of a prompt file")
     add_engine_arguments(gen)
     add_request_arguments(gen)
+    gen.add_argument(
+        "--prompts",
+        metavar="FILE",
+        help="a batch: one prompt per line, or JSONL objects; videos and manifest.jsonl go into --output (a folder)",
+    )
+    gen.add_argument("--batch-seed", dest="batch_seed", type=int, default=0, help="seeds of items without one")
     add_bench_parser(sub)
     return parser
 
 
+def cmd_batch(args: argparse.Namespace) -> int:
+    """`generate --prompts FILE`: exit 0 when every item is done, 1 when some failed (with a summary)."""
+    from distvideo.batch import read_prompt_file
+    from distvideo.batch.run import plan_batch, record_refused, run_batch
+    from distvideo.executors import resolve_engine
+    from distvideo.generator import VideoGenerator
+
+    if args.prompt is not None:
+        raise ConfigError("--prompt and --prompts: give one prompt or a prompt file, not both")
+    folder = args.output_path or "outputs"
+    if folder.lower().endswith(".mp4"):
+        raise ConfigError(f"--output {folder}: with --prompts, --output is a folder for the videos and the manifest")
+    args.prompt = "-"  # each item brings its own
+    engine_config, defaults = configs_from_args(args)
+    engine = resolve_engine(engine_config)
+    raw = read_prompt_file(args.prompts)
+    # every item checked, and the manifest read, before any process starts or weight loads
+    plan = plan_batch(raw, engine.model, folder=folder, defaults=defaults, batch_seed=args.batch_seed)
+    results = None
+    if not plan.todo and plan.invalid:
+        record_refused(plan)
+    if plan.todo:
+        with VideoGenerator.from_engine(engine) as gen:
+            results = run_batch(gen, plan, progress=bool(engine.config.progress))
+            if not gen.is_output_rank:
+                return EXIT_OK
+    done = len(plan.finished) + sum(1 for r in results or [] if r.status == "done" and not r.resumed)
+    failed = len(plan.items) - done
+    print(
+        f"batch: {done} done ({len(plan.finished)} from earlier runs), {failed} failed, of {len(plan.items)}; "
+        f"manifest: {plan.folder / 'manifest.jsonl'}",
+        flush=True,
+    )
+    return EXIT_OK if failed == 0 else EXIT_RUNTIME
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
+    if getattr(args, "prompts", None):
+        return cmd_batch(args)
     from distvideo.executors import resolve_engine
     from distvideo.generator import VideoGenerator
     from distvideo.media import check_video_output

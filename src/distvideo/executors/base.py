@@ -139,6 +139,12 @@ class Executor(abc.ABC):
         `on_progress(done, total)` is called in this process after every denoising step."""
 
     @abc.abstractmethod
+    def execute_batch(self, shares: list[list[tuple[int, GenerationRequest]]], on_item: Callable[[Any], None]) -> None:
+        """Every replica runs its share (replica k: `shares[k]`, (index, request) pairs, in order); replicas do not
+        wait on each other until the end. `on_item(ItemOutcome)` is called after every item, in the process that holds
+        its frames: this one (inline, mp), or the replica's output rank (under a launcher)."""
+
+    @abc.abstractmethod
     def cancel(self) -> None:
         """Stop the running request (if any) at its next denoising step on every rank: it raises
         GenerationCancelled and the executor stays usable. Safe to call from any thread; a no-op between requests."""

@@ -128,6 +128,16 @@ class ExternalExecutor(Executor):
         self._exchange("execute_forward", "execute_forward", dataclasses.replace(status, result=None), settle=settle)
         return local
 
+    def execute_batch(self, shares: list[list[tuple[int, GenerationRequest]]], on_item: Callable[[Any], None]) -> None:
+        """This rank runs its replica's share; the ranks exchange statuses once, at the end."""
+        worker = self._live_worker()
+        with self._requests.running() as cancelled:
+            status = self._run_local(
+                "execute_batch",
+                lambda: worker.execute_method("execute_batch", shares, on_item, cancelled=cancelled),
+            )
+        self._exchange("execute_batch", "execute_batch", status, settle=True)
+
     def cancel(self) -> None:
         self._requests.cancel()
 

@@ -53,6 +53,10 @@ class InlineExecutor(Executor):
             )
         return results[0]
 
+    def execute_batch(self, shares: list[list[tuple[int, GenerationRequest]]], on_item: Callable[[Any], None]) -> None:
+        with self._requests.running() as cancelled:
+            self.collective_rpc("execute_batch", args=(shares, on_item), kwargs={"cancelled": cancelled})
+
     def cancel(self) -> None:
         self._requests.cancel()
 

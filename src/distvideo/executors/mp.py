@@ -40,9 +40,11 @@ from distvideo.executors.mp_wire import (
     HEADER,
     IN_SHM,
     INLINE_PAYLOAD_MAX,
+    OP_BATCH,
     OP_CALL,
     OP_FORWARD,
     STARTUP_ID,
+    ItemNote,
     ProgressNote,
     describe_exit,
     discard,
@@ -134,6 +136,11 @@ class MultiprocExecutor(Executor):
         frames = take_frames(shared) if shared is not None else None
         return dataclasses.replace(output, frames=frames)
 
+    def execute_batch(self, shares: list[list[tuple[int, GenerationRequest]]], on_item: Callable[[Any], None]) -> None:
+        """Every worker runs its replica's share; the driver receives each item (frames through shared memory) as its
+        replica's output rank finishes it, and calls `on_item` here."""
+        self._call(OP_BATCH, dumps(shares), "execute_batch", None, on_item=on_item)
+
     def cancel(self) -> None:
         call_id = self._forward_id
         if call_id is not None:
@@ -146,6 +153,7 @@ class MultiprocExecutor(Executor):
         method: str | Callable[..., Any],
         timeout: float | None,
         on_progress: Callable[[int, int], None] | None = None,
+        on_item: Callable[[Any], None] | None = None,
     ) -> list[RankStatus]:
         if timeout is not None and not timeout > 0:
             raise ValueError(f"collective_rpc: timeout={timeout} must be a positive number of seconds, or None")
@@ -153,10 +161,13 @@ class MultiprocExecutor(Executor):
             self._check_usable()
             self._next_id += 1
             call_id = self._next_id
-            self._forward_id = call_id if op == OP_FORWARD else None
+            self._forward_id = call_id if op in (OP_FORWARD, OP_BATCH) else None
             try:
                 self._send(call_id, op, payload)
-                statuses = self._gather(call_id, method, timeout, settle=op == OP_FORWARD, on_progress=on_progress)
+                settle = op in (OP_FORWARD, OP_BATCH)
+                statuses = self._gather(
+                    call_id, method, timeout, settle=settle, on_progress=on_progress, on_item=on_item
+                )
             except KeyboardInterrupt:
                 self._dead = f"interrupted (KeyboardInterrupt) during collective_rpc({method_name(method)!r})"
                 logger.info("interrupted: tearing the %d workers down", self.world_size)
@@ -205,6 +216,7 @@ class MultiprocExecutor(Executor):
         *,
         settle: bool = False,
         on_progress: Callable[[int, int], None] | None = None,
+        on_item: Callable[[Any], None] | None = None,
     ) -> list[RankStatus]:
         """Every rank's status of call `call_id` (progress notes go to `on_progress` as they arrive). `settle`
         (execute_forward, whose ranks run in lockstep): once a rank has failed, the others get
@@ -250,6 +262,9 @@ class MultiprocExecutor(Executor):
                     if answer_id == call_id and on_progress is not None:
                         on_progress(status.done, status.total)
                     continue
+                if isinstance(status, ItemNote):
+                    self._deliver_item(status, on_item if answer_id == call_id else None)
+                    continue
                 self._answered[rank] = answer_id
                 if answer_id == call_id:
                     statuses[rank] = status
@@ -261,6 +276,15 @@ class MultiprocExecutor(Executor):
             if died:
                 self._worker_died(min(died), what)
         return [s for s in statuses if s is not None]
+
+    @staticmethod
+    def _deliver_item(note: ItemNote, on_item: Callable[[Any], None] | None) -> None:
+        frames = take_frames(note.frames) if note.frames is not None else None
+        outcome = note.outcome
+        if outcome.output is not None:
+            outcome = dataclasses.replace(outcome, output=dataclasses.replace(outcome.output, frames=frames))
+        if on_item is not None:
+            on_item(outcome)
 
     def _blocked_after_failure(
         self, method: str | Callable[..., Any], answered: list[RankStatus], pending: set[int]

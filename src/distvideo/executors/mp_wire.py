@@ -30,6 +30,7 @@ HEADER = struct.Struct("<qB")
 OP_CALL = 1  # payload: pickled (method, args, kwargs)
 OP_FORWARD = 2  # payload: pickled GenerationRequest; the output rank answers with frames in shared memory
 OP_SHUTDOWN = 3
+OP_BATCH = 4  # payload: pickled shares; the replicas' output ranks send an ItemNote after every item
 IN_SHM = 0x80  # flag: the payload is a pickled (segment name, size) of a shared-memory segment
 INLINE_PAYLOAD_MAX = 64 * 1024  # below the pipe's buffer, so a busy worker never blocks the driver
 STARTUP_ID = 0
@@ -52,6 +53,14 @@ class ProgressNote:
 
     done: int
     total: int
+
+
+@dataclass(frozen=True)
+class ItemNote:
+    """Sent by a replica's output rank after every batch item: the item's outcome, its frames in shared memory."""
+
+    outcome: Any  # distvideo.worker.ItemOutcome, without frames
+    frames: SharedFrames | None
 
 
 #: The control block: a shared-memory word the driver writes and every worker reads between denoising steps: the id

@@ -7,6 +7,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import dataclasses
 import functools
 import logging
 import multiprocessing
@@ -27,10 +28,12 @@ from distvideo.executors.base import RankStatus, run_guarded
 from distvideo.executors.mp_wire import (
     HEADER,
     IN_SHM,
+    OP_BATCH,
     OP_FORWARD,
     OP_SHUTDOWN,
     STARTUP_ID,
     ControlBlock,
+    ItemNote,
     ProgressNote,
     dumps,
     export_frames,
@@ -209,5 +212,13 @@ def _execute(
             cancelled=lambda: control.cancelled(call_id),
         )
         return export_frames(output)
+    if op == OP_BATCH:
+        shares = pickle.loads(payload)
+
+        def report(outcome: Any) -> None:  # a replica's output rank, after every item: its frames via shared memory
+            output, shared = export_frames(outcome.output) if outcome.output is not None else (None, None)
+            conn.send_bytes(dumps((call_id, ItemNote(dataclasses.replace(outcome, output=output), shared))))
+
+        return worker.execute_method("execute_batch", shares, report, cancelled=lambda: control.cancelled(call_id))
     method, args, kwargs = pickle.loads(payload)
     return worker.execute_method(method, *args, **kwargs)

@@ -58,7 +58,11 @@ def resolve_engine(config: EngineConfig, environ: Mapping[str, str] | None = Non
         raise ConfigError(f"executor='inline' runs one rank; num_gpus={config.num_gpus} needs executor 'mp'")
     world_size = launch.world_size if launch is not None else (config.num_gpus or 1)
     layout = resolve_layout(
-        world_size, sp_size=config.sp_size, cfg_parallel=config.cfg_parallel, num_heads=model.num_attention_heads
+        world_size,
+        sp_size=config.sp_size,
+        cfg_parallel=config.cfg_parallel,
+        num_heads=model.num_attention_heads,
+        replicas=config.replicas,
     )
     logger.debug("executor %s, parallel layout: %s", kind, layout.describe())
     config = dataclasses.replace(config, executor=kind).with_defaults()

@@ -36,7 +36,10 @@ class ParallelContext:
         self.device = device
         self.counts: Counter[str] = Counter()
         self.ulysses = UlyssesPlan(groups.sp, self.layout.sp_size, groups.sp_rank) if self.layout.sp_enabled else None
-        self.vae_decoder = BandedVaeDecoder(groups.prefix_group, groups.rank, self.layout.world_size, min_band_rows)
+        # the decode spans this rank's replica: band index = the rank's place in it, the video lands on its first rank
+        self.vae_decoder = BandedVaeDecoder(
+            groups.prefix_group, groups.replica_rank, self.layout.replica_size, min_band_rows
+        )
         self._told_duplicate = False
 
     @classmethod
@@ -105,6 +108,12 @@ class ParallelContext:
         )
 
     # -- decoding ------------------------------------------------------------------------------------------
+    @property
+    def replica_group(self) -> object:
+        """The CPU group of this rank's replica: the ranks that run a request together."""
+        return self.groups.replica_cpu
+
     def decode(self, latents: torch.Tensor) -> torch.Tensor | None:
-        """The decoded video on rank 0 (None elsewhere), every rank of the world decoding a band of rows."""
+        """The decoded video on the replica's first rank (None elsewhere), every rank of the replica decoding a band
+        of rows."""
         return self.vae_decoder.decode(latents)
