@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 0.5  # how often each rank bumps its heartbeat in the rendezvous store
 LOST_AFTER_S = 3.0  # after a failed collective: a rank whose heartbeat does not move for this long is lost
+STORE_TIMEOUT_S = 5.0  # the longest one call on a heartbeat's store connection can block
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,11 @@ class Heartbeat:
     @staticmethod
     def _connect(env: LaunchEnv) -> dist.TCPStore:
         return dist.TCPStore(
-            env.master_addr, env.master_port, is_master=False, timeout=timedelta(seconds=5), wait_for_workers=False
+            env.master_addr,
+            env.master_port,
+            is_master=False,
+            timeout=timedelta(seconds=STORE_TIMEOUT_S),
+            wait_for_workers=False,
         )
 
     def key(self, rank: int) -> str:
@@ -126,9 +131,16 @@ class Heartbeat:
 
     def stop(self) -> None:
         """Stop the thread and close both connections now. A connection left to the garbage collector keeps rank 0's
-        store alive, and a later process group on the same port (a new VideoGenerator) would find its stale keys."""
+        store alive, and a later process group on the same port (a new VideoGenerator) would find its stale keys.
+
+        The join waits as long as one store call can block: a thread left inside a call of the store's C++ client
+        when the interpreter exits is killed by it there, and the process aborts ("terminate called without an
+        active exception"; a rank aborted so once, at exit under heavy load, when this join gave up after 2 s: the
+        likeliest cause found, not a proven one)."""
         self._stopped.set()
-        self._thread.join(timeout=2.0)
+        self._thread.join(timeout=STORE_TIMEOUT_S + 2.0)
+        if self._thread.is_alive():
+            logger.warning("the heartbeat thread did not stop within %.0f s", STORE_TIMEOUT_S + 2.0)
         self._publisher = self._reader = None  # type: ignore[assignment]
 
 
