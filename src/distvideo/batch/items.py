@@ -30,18 +30,7 @@ ITEM_FIELDS = (
     "output",
 )
 #: the request fields that decide an item's video: a change in any of them redoes the item on resume
-DECIDING_FIELDS = (
-    "prompt",
-    "negative_prompt",
-    "seed",
-    "num_frames",
-    "height",
-    "width",
-    "num_inference_steps",
-    "guidance_scale",
-    "fps",
-    "max_sequence_length",
-)
+DECIDING_FIELDS = (*(f for f in ITEM_FIELDS if f != "output"), "max_sequence_length")
 MAX_ITEMS = 1_000_000
 
 
