@@ -62,6 +62,13 @@ _declare(
     600.0,
     "Default dist_timeout in seconds: how long a collective waits for a peer before the job is declared broken.",
 )
+_declare(
+    "DISTVIDEO_API_KEY",
+    _str,
+    None,
+    "distvideo serve: the API key clients must send as 'Authorization: Bearer KEY' when --api-key is not given "
+    "(keeps the key off the command line).",
+)
 _declare("DISTVIDEO_NO_PROGRESS", _bool, False, "Disable the tqdm progress bar (same as --no-progress).")
 _declare(
     "DISTVIDEO_COMPACT_TEXT_PADDING",
