@@ -138,7 +138,18 @@ def start_server(
 ) -> Iterator[Served]:
     output = output or workdir / "out"
     workdir.mkdir(parents=True, exist_ok=True)
-    flags = ["--port", "0", "--output", str(output), "--no-progress", "--shutdown-grace", "60", *args]
+    flags = [
+        "--port",
+        "0",
+        "--output",
+        str(output),
+        "--no-progress",
+        "--shutdown-grace",
+        "60",
+        "--max-steps",
+        "1000",
+        *args,
+    ]
     child_env = {"DISTVIDEO_NO_PROGRESS": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
     if api_key:
         child_env["DISTVIDEO_API_KEY"] = api_key  # not on the command line

@@ -26,7 +26,7 @@ EXECUTORS = [
 @pytest.fixture(scope="module", params=EXECUTORS)
 def server(request, tmp_path_factory):
     workdir = tmp_path_factory.mktemp(f"serve-{request.param}")
-    args = ["--max-queue", "2", "--max-body-bytes", "65536", "--max-steps", "1000"]
+    args = ["--max-queue", "2", "--max-body-bytes", "65536"]
     with start_server(workdir, request.param, args=args, api_key=KEY, fail_rank="all") as served:
         served.executor = request.param
         yield served

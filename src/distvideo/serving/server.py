@@ -33,7 +33,7 @@ logger = logging.getLogger("distvideo.serving")
 HARD_EXIT_MARGIN_S = 30.0  # after the grace period: a shutdown still not done ends the process anyway
 
 
-class _Rank0:
+class Frontend:
     """What only rank 0 has: the store, the service state, the HTTP server."""
 
     def __init__(self, engine: ResolvedEngine, options: ServeOptions, presets: dict[str, Any]):
@@ -87,7 +87,7 @@ def serve(config: EngineConfig, options: ServeOptions, presets: dict[str, Any] |
     base_lora = list(config.lora)
     engine = resolve_engine(dataclasses.replace(config, lora=[]))  # adapters are the service's (adapters.py)
     rank = engine.launch.rank if engine.launch is not None else 0
-    rank0 = _Rank0(engine, options, dict(presets or {})) if rank == 0 else None
+    rank0 = Frontend(engine, options, dict(presets or {})) if rank == 0 else None
     stop = threading.Event()
     stop_reason: list[str] = []
     channel: JobChannel | None = None
@@ -123,7 +123,9 @@ def serve(config: EngineConfig, options: ServeOptions, presets: dict[str, Any] |
             assert channel is not None
             if stop.is_set():
                 channel.request_stop(stop_reason[0])
-            return follow(gen, channel, adapters)
+            code = follow(gen, channel, adapters)
+            print(f"distvideo serve: rank {rank} stopped", flush=True)
+            return code
         return _run_rank0(rank0, gen, adapters, channel, stop, stop_reason, options)
     except ProcessGroupBrokenError as exc:
         print(f"distvideo serve: error: {exc}", file=sys.stderr, flush=True)
@@ -137,7 +139,7 @@ def serve(config: EngineConfig, options: ServeOptions, presets: dict[str, Any] |
 
 
 def _run_rank0(
-    rank0: _Rank0,
+    rank0: Frontend,
     gen: Any,
     adapters: Adapters,
     channel: JobChannel | None,
@@ -157,5 +159,5 @@ def _run_rank0(
     if code != 0:
         print(f"distvideo serve: error: {rank0.service.health_detail}", file=sys.stderr, flush=True)
     elif rank0.service.health != UNHEALTHY:
-        print("distvideo serve: stopped", flush=True)
+        print("distvideo serve: stopped" + (" (rank 0)" if channel is not None else ""), flush=True)
     return code
