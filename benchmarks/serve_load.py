@@ -1,5 +1,6 @@
-"""Load on `distvideo serve`: C concurrent clients submit J jobs in all (a 429 is an answer: counted, not retried),
-each follows its job to the end, and every status call made while its job was generating is timed.
+"""Load on `distvideo serve`: C concurrent clients submit J jobs in all, one at a time each: a client follows its job
+to the end before submitting the next; a 429 is that job's answer (counted, not retried: the client waits Retry-After
+before its next job). Every status call made while the client's job was generating is timed.
 
     .venv/bin/python benchmarks/serve_load.py                       # an inline server on the embedded model, port 0
     .venv/bin/python benchmarks/serve_load.py --url http://127.0.0.1:8000 --clients 10 --jobs 40
@@ -61,9 +62,10 @@ def run_load(
                 if index is None:
                     return
                 response = http.post("/v1/videos", json={**body, "seed": index})
-                if response.status_code == 429:
+                if response.status_code == 429:  # that job's answer; the client waits as told before its next one
                     with lock:
                         refused.append(index)
+                    time.sleep(min(float(response.headers.get("retry-after", 1)), 30.0))
                     continue
                 if response.status_code != 200:
                     with lock:

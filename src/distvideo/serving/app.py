@@ -76,6 +76,10 @@ def create_app(ctx: AppContext) -> FastAPI:
 
     guarded = [Depends(authorized)] if ctx.api_key else []
     auth_errors: dict[int | str, dict[str, Any]] = {401: ERROR_RESPONSE} if ctx.api_key else {}
+    error_json = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+    auth_json: dict[int | str, dict[str, Any]] = (
+        {401: {"content": error_json}} if ctx.api_key else {}
+    )  # non-JSON routes
     page = resources.files("distvideo.serving").joinpath("static/index.html").read_text()
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
@@ -97,7 +101,7 @@ def create_app(ctx: AppContext) -> FastAPI:
         "/metrics",
         response_class=PlainTextResponse,
         dependencies=guarded,
-        responses={**auth_errors, 200: {"content": {metrics.CONTENT_TYPE: {"schema": {"type": "string"}}}}},
+        responses={**auth_json, 200: {"content": {metrics.CONTENT_TYPE: {"schema": {"type": "string"}}}}},
     )
     async def get_metrics() -> PlainTextResponse:
         """Prometheus text: queue depth, jobs by status, rejections, seconds per stage."""
@@ -215,7 +219,7 @@ def create_app(ctx: AppContext) -> FastAPI:
             },
             404: ERROR_RESPONSE,
             409: ERROR_RESPONSE,
-            416: {"description": "the requested range is outside the file"},
+            416: {"description": "the requested range is outside the file", "content": {"text/plain": {}}},
         },
     )
     async def get_content(video_id: str) -> FileResponse:
@@ -289,7 +293,7 @@ async def _read_create_body(request: Request) -> tuple[VideoCreate, UploadFile |
                 image = value
             elif isinstance(value, UploadFile):
                 raise ApiError(422, f"{key}: expected a text part, got a file", param=key)
-            else:
+            elif value != "":  # an empty form field is a field not given (what HTML forms send)
                 fields[key] = _form_value(key, value)
         try:
             return VideoCreate.model_validate(fields), image

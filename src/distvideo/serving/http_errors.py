@@ -62,8 +62,19 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        error = ApiError(exc.status_code, str(exc.detail), code=code, headers=dict(exc.headers or {}))
-        return error_response(error)
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:  # FastAPI has one route per method: Allow must list every route of this path
+            headers["Allow"] = ", ".join(_methods_for(app, request.url.path))
+        return error_response(ApiError(exc.status_code, str(exc.detail), code=code, headers=headers))
+
+
+def _methods_for(app: FastAPI, path: str) -> list[str]:
+    methods: set[str] = set()
+    for route in app.routes:
+        regex = getattr(route, "path_regex", None)
+        if regex is not None and regex.match(path):
+            methods |= set(getattr(route, "methods", None) or ())
+    return sorted(methods)
 
 
 ERROR_RESPONSE = {"model": ErrorResponse}
