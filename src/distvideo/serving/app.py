@@ -52,6 +52,15 @@ def _form_schema() -> dict[str, Any]:
     return {"type": "object", "properties": properties, "required": ["prompt"], "additionalProperties": False}
 
 
+@dataclass(frozen=True)
+class Guard:
+    """The API key check of the guarded routes, and the 401 it adds to their documented answers."""
+
+    dependencies: list[Any]
+    errors: dict[int | str, dict[str, Any]]
+    errors_as_json: dict[int | str, dict[str, Any]]
+
+
 def create_app(ctx: AppContext) -> FastAPI:
     app = FastAPI(
         title="distvideo",
@@ -74,12 +83,33 @@ def create_app(ctx: AppContext) -> FastAPI:
                 headers={"WWW-Authenticate": "Bearer"},
             )
 
-    guarded = [Depends(authorized)] if ctx.api_key else []
-    auth_errors: dict[int | str, dict[str, Any]] = {401: ERROR_RESPONSE} if ctx.api_key else {}
     error_json = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
-    auth_json: dict[int | str, dict[str, Any]] = (
-        {401: {"content": error_json}} if ctx.api_key else {}
-    )  # non-JSON routes
+    guard = Guard(
+        dependencies=[Depends(authorized)] if ctx.api_key else [],
+        errors={401: ERROR_RESPONSE} if ctx.api_key else {},
+        errors_as_json={401: {"content": error_json}} if ctx.api_key else {},  # for routes that answer other types
+    )
+    _add_service_routes(app, ctx, guard)
+    _add_create_route(app, ctx, guard)
+    _add_read_routes(app, ctx, guard)
+    _add_delete_route(app, ctx, guard)
+
+    def _custom_openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = FastAPI.openapi(app)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            body = VideoCreate.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(body.pop("$defs", {}))  # the body is read by hand (JSON or multipart): add its models
+            components["VideoCreate"] = body
+            components["VideoCreateForm"] = _form_schema()
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = _custom_openapi  # type: ignore[method-assign]
+    return app
+
+
+def _add_service_routes(app: FastAPI, ctx: AppContext, guard: Guard) -> None:
     page = resources.files("distvideo.serving").joinpath("static/index.html").read_text()
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
@@ -100,14 +130,14 @@ def create_app(ctx: AppContext) -> FastAPI:
     @app.get(
         "/metrics",
         response_class=PlainTextResponse,
-        dependencies=guarded,
-        responses={**auth_json, 200: {"content": {metrics.CONTENT_TYPE: {"schema": {"type": "string"}}}}},
+        dependencies=guard.dependencies,
+        responses={**guard.errors_as_json, 200: {"content": {metrics.CONTENT_TYPE: {"schema": {"type": "string"}}}}},
     )
     async def get_metrics() -> PlainTextResponse:
         """Prometheus text: queue depth, jobs by status, rejections, seconds per stage."""
         return PlainTextResponse(metrics.render(ctx.service, ctx.store), media_type=metrics.CONTENT_TYPE)
 
-    @app.get("/v1/models", response_model=ModelList, dependencies=guarded, responses=auth_errors)
+    @app.get("/v1/models", response_model=ModelList, dependencies=guard.dependencies, responses=guard.errors)
     async def list_models() -> ModelList:
         info = ctx.admission.model
         card = ModelCard(
@@ -122,13 +152,15 @@ def create_app(ctx: AppContext) -> FastAPI:
         )
         return ModelList(data=[card])
 
+
+def _add_create_route(app: FastAPI, ctx: AppContext, guard: Guard) -> None:
     @app.post(
         "/v1/videos",
         response_model=Video,
-        dependencies=guarded,
+        dependencies=guard.dependencies,
         openapi_extra={"requestBody": _create_body_schema()},
         responses={
-            **auth_errors,
+            **guard.errors,
             400: ERROR_RESPONSE,
             413: ERROR_RESPONSE,
             415: ERROR_RESPONSE,
@@ -174,8 +206,13 @@ def create_app(ctx: AppContext) -> FastAPI:
             raise ApiError(503, f"the server is not accepting jobs: {exc}", code="unavailable") from None
         return Video.of(record)
 
+
+def _add_read_routes(app: FastAPI, ctx: AppContext, guard: Guard) -> None:
     @app.get(
-        "/v1/videos", response_model=VideoList, dependencies=guarded, responses={**auth_errors, 422: ERROR_RESPONSE}
+        "/v1/videos",
+        response_model=VideoList,
+        dependencies=guard.dependencies,
+        responses={**guard.errors, 422: ERROR_RESPONSE},
     )
     async def list_videos(
         limit: int = Query(20, ge=1, le=100),
@@ -191,27 +228,21 @@ def create_app(ctx: AppContext) -> FastAPI:
             data=data, first_id=data[0].id if data else None, last_id=data[-1].id if data else None, has_more=more
         )
 
-    def _record(video_id: str) -> JobRecord:
-        record = ctx.store.get(video_id)
-        if record is None:
-            raise ApiError(404, f"no video with id {video_id!r}", param="video_id", code="not_found")
-        return record
-
     @app.get(
         "/v1/videos/{video_id}",
         response_model=Video,
-        dependencies=guarded,
-        responses={**auth_errors, 404: ERROR_RESPONSE},
+        dependencies=guard.dependencies,
+        responses={**guard.errors, 404: ERROR_RESPONSE},
     )
     async def get_video(video_id: str) -> Video:
-        return Video.of(_record(video_id))
+        return Video.of(_record(ctx, video_id))
 
     @app.get(
         "/v1/videos/{video_id}/content",
         response_class=FileResponse,
-        dependencies=guarded,
+        dependencies=guard.dependencies,
         responses={
-            **auth_errors,
+            **guard.errors,
             200: {"content": {"video/mp4": {"schema": {"type": "string", "format": "binary"}}}},
             206: {
                 "description": "the requested byte range",
@@ -224,7 +255,7 @@ def create_app(ctx: AppContext) -> FastAPI:
     )
     async def get_content(video_id: str) -> FileResponse:
         """The MP4 of a completed job; supports Range requests (206)."""
-        record = _record(video_id)
+        record = _record(ctx, video_id)
         if record.status != COMPLETED or not record.file:
             raise ApiError(409, f"video {video_id} has no content: its status is {record.status}", code="not_ready")
         path = ctx.admission.output / record.file
@@ -232,12 +263,21 @@ def create_app(ctx: AppContext) -> FastAPI:
             raise ApiError(404, f"the file of video {video_id} is gone from the output folder", code="file_missing")
         return FileResponse(path, media_type="video/mp4", filename=f"{video_id}.mp4")
 
+
+def _record(ctx: AppContext, video_id: str) -> JobRecord:
+    record = ctx.store.get(video_id)
+    if record is None:
+        raise ApiError(404, f"no video with id {video_id!r}", param="video_id", code="not_found")
+    return record
+
+
+def _add_delete_route(app: FastAPI, ctx: AppContext, guard: Guard) -> None:
     @app.delete(
         "/v1/videos/{video_id}",
         response_model=VideoDeleted,
-        dependencies=guarded,
+        dependencies=guard.dependencies,
         responses={
-            **auth_errors,
+            **guard.errors,
             202: {"model": Video, "description": "the running job will stop"},
             404: ERROR_RESPONSE,
         },
@@ -245,31 +285,17 @@ def create_app(ctx: AppContext) -> FastAPI:
     async def delete_video(video_id: str) -> Any:
         """Queued: removed. Running: cancelled after its current denoising step (202; it ends failed with error code
         'cancelled'). Finished: deleted with its file."""
-        record = _record(video_id)
+        record = _record(ctx, video_id)
         if record.status == QUEUED and ctx.service.remove_queued(video_id):
             ctx.store.delete(video_id)
             return VideoDeleted(id=video_id, deleted=True)
         if record.status in (QUEUED, IN_PROGRESS):  # queued a moment ago: the engine loop just took it
             ctx.cancel_running(video_id)
-            return JSONResponse(Video.of(_record(video_id)).model_dump(), status_code=202)
+            return JSONResponse(Video.of(_record(ctx, video_id)).model_dump(), status_code=202)
         ctx.store.delete(video_id)
         if record.file and "/" not in record.file:
             (ctx.admission.output / record.file).unlink(missing_ok=True)
         return VideoDeleted(id=video_id, deleted=True)
-
-    def _custom_openapi() -> dict[str, Any]:
-        if app.openapi_schema is None:
-            schema = FastAPI.openapi(app)
-            components = schema.setdefault("components", {}).setdefault("schemas", {})
-            body = VideoCreate.model_json_schema(ref_template="#/components/schemas/{model}")
-            components.update(body.pop("$defs", {}))  # the body is read by hand (JSON or multipart): add its models
-            components["VideoCreate"] = body
-            components["VideoCreateForm"] = _form_schema()
-            app.openapi_schema = schema
-        return app.openapi_schema
-
-    app.openapi = _custom_openapi  # type: ignore[method-assign]
-    return app
 
 
 async def _read_create_body(request: Request) -> tuple[VideoCreate, UploadFile | None]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import socket
 import sys
 import threading
 from pathlib import Path
@@ -71,7 +72,7 @@ class Frontend:
         )
         self.http = HttpServer(create_app(ctx), self.sock)
         self.http.start()
-        print(f"distvideo serve: listening on {self.http.url}", flush=True)
+        print(f"distvideo serve: listening on {self.http.url} (host {socket.gethostname()})", flush=True)
 
     def close(self) -> None:
         if self.http is not None:
