@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from launchers import _kill_tree, build_launch, console_script, launcher_env, require_launcher
+from launchers import _kill_tree, build_launch, console_script, launcher_env, require_launcher, start_local_slurm
 
 FAULTS = Path(__file__).resolve().parent / "serving_faults"  # sitecustomize: DISTVIDEO_TEST_FAIL_RANK
 START_TIMEOUT_S = 300.0
@@ -118,9 +118,11 @@ class Served:
 
 def server_command(executor: str, args: Sequence[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
     distvideo = console_script("distvideo")
-    if executor == "torchrun":
-        require_launcher("torchrun")
-        return build_launch("torchrun", [distvideo, "serve", *args], nproc=2, env=env, python=False)
+    if executor in ("torchrun", "srun", "mpirun"):
+        require_launcher(executor)
+        if executor == "srun":
+            env = {**start_local_slurm(), **env}
+        return build_launch(executor, [distvideo, "serve", *args], nproc=2, env=env, python=False)
     engine = ["--executor", "mp", "--num-gpus", "2"] if executor == "mp" else ["--executor", "inline"]
     return [distvideo, "serve", *engine, *args], launcher_env(env)
 

@@ -186,3 +186,37 @@ def test_health_turns_unhealthy_when_a_rank_dies(tmp_path):
         front.service.close("stopping", "the test ended")  # the loop returns if it is still waiting for a job
         gen.shutdown()
         front.close()
+
+
+@pytest.mark.launcher
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "launcher", [pytest.param("srun", marks=pytest.mark.slurm), pytest.param("mpirun", marks=pytest.mark.mpi)]
+)
+def test_srun_and_mpirun_serve_and_stop_on_sigterm(tmp_path, launcher):
+    """Rank 0 hosts the rendezvous store here (torchrun's agent does under torchrun): jobs reach rank 1 through it,
+    and at shutdown rank 0 waits until rank 1 read the stop before it exits with the store."""
+    with start_server(tmp_path, launcher, fail_rank="all") as server:
+        assert server.http.get("/health").json()["world_size"] == 2
+        failed = server.wait(server.create(prompt="please inject a fault", **SMALL)["id"])
+        assert failed["status"] == "failed", failed
+        done = server.wait(server.create(prompt="under " + launcher, **SMALL)["id"])
+        assert done["status"] == "completed", done
+        if launcher == "srun":
+            # as Slurm stops a step (scancel, the time limit, --signal=TERM@T): SIGTERM to every task; srun itself
+            # answers a SIGTERM by killing the step
+            tasks = [
+                p for p in psutil.process_iter(["cmdline"]) if str(server.output) in " ".join(p.info["cmdline"] or [])
+            ]
+            tasks = [p for p in tasks if p.info["cmdline"][0] != "srun"]  # srun and its helper
+            assert len(tasks) == 2, [p.info["cmdline"] for p in tasks]
+            for task in tasks:
+                task.send_signal(signal.SIGTERM)
+            code = server.wait_exit()
+        else:
+            code = server.stop(signal.SIGTERM)  # mpirun forwards it to every rank
+        log = server.log()
+    assert "distvideo serve: stopped (rank 0)" in log and "distvideo serve: rank 1 stopped" in log, log
+    assert "ProcessGroupBrokenError" not in log and "Traceback" not in log, log
+    # srun exits with its tasks' code; mpirun, like torchrun, reports that it was signalled whatever the ranks did
+    assert code == (0 if launcher == "srun" else 1), log

@@ -71,6 +71,21 @@ class JobChannel:
             # every rank read message n-2: it ran job n-2's collectives with rank 0 before rank 0 got here
             self._store.delete_key(self._key(f"msg/{self._sent - 2}"))
 
+    def stop_everyone(self, reason: str, timeout_s: float = 30.0) -> list[int]:
+        """Publish the stop and wait (at most `timeout_s`) until every rank read it: under srun and mpirun rank 0 hosts
+        the store, and a rank still waiting on it when rank 0 exits would take that for rank 0's death. Returns the
+        ranks that did not answer."""
+        self.publish({"kind": "stop", "reason": reason})
+        missing = [r for r in range(1, self.env.world_size)]
+        try:
+            self._store.wait([self._key(f"stopped/{r}") for r in missing], timedelta(seconds=timeout_s))
+            return []
+        except dist.DistError:
+            return [r for r in missing if not self._store.check([self._key(f"stopped/{r}")])]
+
+    def acknowledge_stop(self) -> None:
+        self._store.set(self._key(f"stopped/{self.env.rank}"), "1")
+
     def watch_stop_requests(self, on_request: Callable[[str], None]) -> None:
         """A thread that waits for any rank's stop request and passes its reason on (once)."""
 

@@ -83,8 +83,11 @@ class EngineLoop:
                 if self.broken is not None:
                     break
         finally:
+            if self.channel is not None and self.broken is None:
+                missing = self.channel.stop_everyone(self._stop_reason or "stopped")
+                if missing:
+                    logger.warning("ranks %s did not confirm the stop", missing)
             if self.channel is not None:
-                self.channel.publish({"kind": "stop", "reason": self._stop_reason or "engine failure"})
                 self.channel.request_stop("the service stopped")  # wakes rank 0's own stop watcher
         return 1 if self.broken is not None else 0
 
@@ -147,6 +150,7 @@ def follow(gen: Any, channel: JobChannel, adapters: Adapters) -> int:
         message = channel.receive()
         if message["kind"] == "stop":
             logger.debug("rank 0 stopped the service: %s", message.get("reason"))
+            channel.acknowledge_stop()
             return 0
         lora = message.get("lora")
         try:
