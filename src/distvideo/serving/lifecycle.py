@@ -68,7 +68,9 @@ class StopSignals:
         if self._thread.is_alive():
             self._thread.join(timeout=1.0)
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            # once stopping, a repeated signal (a launcher signalling every task again while this one finishes) must
+            # not turn a clean exit into death by signal: keep ignoring it for the little time left
+            signal.signal(sig, signal.SIG_IGN if self.count else handler)
         for fd in (self._read_fd, self._write_fd):
             with contextlib.suppress(OSError):
                 os.close(fd)

@@ -94,6 +94,7 @@ def serve(config: EngineConfig, options: ServeOptions, presets: dict[str, Any] |
     channel: JobChannel | None = None
 
     def on_stop(name: str, count: int) -> None:
+        logger.info("%s received%s", name, "" if count == 1 else f" ({count} times)")
         grace = options.shutdown_grace if count == 1 else 0.0  # a second signal: stop the running job now
         stop_reason.append(name)
         stop.set()
