@@ -44,7 +44,7 @@ def test_schemathesis_finds_no_server_error_and_no_undocumented_answer(tmp_path)
             "--phases",
             "examples,coverage,fuzzing",
             "--max-examples",
-            "25",
+            "20",
             "--seed",
             "17",
             "--workers",
