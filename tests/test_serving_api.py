@@ -25,8 +25,12 @@ EXECUTORS = [
 
 @pytest.fixture(scope="module", params=EXECUTORS)
 def server(request, tmp_path_factory):
+    from distvideo.models.embedded import embedded_model_path
+    from distvideo.testing.lora_files import build_random_lora
+
     workdir = tmp_path_factory.mktemp(f"serve-{request.param}")
-    args = ["--max-queue", "2", "--max-body-bytes", "65536"]
+    style = build_random_lora(embedded_model_path(), workdir / "style.safetensors", seed=5)
+    args = ["--max-queue", "2", "--max-body-bytes", "65536", "--lora-adapter", f"style={style}"]
     with start_server(workdir, request.param, args=args, api_key=KEY, fail_rank="all") as served:
         served.executor = request.param
         yield served
@@ -100,6 +104,17 @@ def test_a_served_video_is_the_file_generate_writes(server, reference):
     assert outside.status_code == 416
 
 
+def test_a_registered_lora_applies_to_its_job_only(server, reference):
+    assert server.http.get("/v1/models").json()["data"][0]["lora_adapters"] == ["style"]
+    styled = server.wait(server.create(prompt=PROMPT, lora={"name": "style", "strength": 0.8}, **SMALL)["id"])
+    assert styled["status"] == "completed" and styled["lora"] == {"name": "style", "strength": 0.8}, styled
+    styled_bytes = server.http.get(f"/v1/videos/{styled['id']}/content").content
+    assert styled_bytes != reference(world_size(server))
+    plain = server.wait(server.create(prompt=PROMPT, **SMALL)["id"])
+    plain_bytes = server.http.get(f"/v1/videos/{plain['id']}/content").content
+    assert plain_bytes == reference(world_size(server))  # the base weights are back, exactly, on every rank
+
+
 def test_progress_then_delete_cancels_the_running_job(server):
     video = server.create(prompt="a long ride", **LONG)
     running = server.wait_progress(video["id"], at_least=1)
@@ -169,7 +184,7 @@ def test_the_list_is_newest_first_with_a_cursor(server):
         ({"prompt": "x", "num_inference_steps": 0}, "num_inference_steps", "greater than or equal to 1"),
         ({"prompt": "x", "num_inference_steps": 1001}, "num_inference_steps", "--max-steps=1000"),
         ({"prompt": "x", "seed": "3"}, "seed", "valid integer"),
-        ({"prompt": "x", "lora": {"name": "style"}}, "lora", "not registered"),
+        ({"prompt": "x", "lora": {"name": "nope"}}, "lora", "not registered; registered: style"),
     ],
 )
 def test_bad_requests_are_refused_before_queueing_naming_the_field(server, body, param, needle):
