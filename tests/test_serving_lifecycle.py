@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import signal
 import sqlite3
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -22,6 +23,7 @@ from distvideo.serving.options import ServeLimits, ServeOptions
 from distvideo.serving.runner import EngineLoop
 from distvideo.serving.server import Frontend
 
+from launchers import console_script
 from serving_harness import SMALL, start_server
 
 LONG = {"size": "48x32", "num_frames": 5, "num_inference_steps": 400, "seed": 1}
@@ -98,6 +100,14 @@ def test_a_restarted_server_lists_finished_jobs_and_fails_interrupted_ones(tmp_p
     with start_server(tmp_path / "first", "inline", output=output) as first:
         done = first.wait(first.create(prompt="kept", **SMALL)["id"])
         content = first.http.get(f"/v1/videos/{done['id']}/content").content
+        second_server = subprocess.run(
+            [console_script("distvideo"), "serve", "--port", "0", "--output", str(output)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            stdin=subprocess.DEVNULL,
+        )
+        assert second_server.returncode == 2 and "another distvideo serve uses this folder" in second_server.stderr
         interrupted = first.create(prompt="interrupted", **LONG)
         first.wait_progress(interrupted["id"])
         queued = first.create(prompt="queued when it died", **SMALL)

@@ -9,7 +9,10 @@ admission, gives the running job the grace period, reaches every rank and exits 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
+import ipaddress
 import logging
+import os
 import socket
 import sys
 import threading
@@ -18,7 +21,7 @@ from typing import Any
 
 from distvideo.config import EngineConfig
 from distvideo.engine import ResolvedEngine
-from distvideo.errors import ProcessGroupBrokenError
+from distvideo.errors import ConfigError, ProcessGroupBrokenError
 from distvideo.executors import resolve_engine
 from distvideo.serving.adapters import Adapters
 from distvideo.serving.admission import Admission
@@ -40,7 +43,12 @@ class Frontend:
     def __init__(self, engine: ResolvedEngine, options: ServeOptions, presets: dict[str, Any]):
         output = Path(options.output).resolve()
         output.mkdir(parents=True, exist_ok=True)
+        self._lock = _lock_output(output)  # one server per store: a second one would fail the first one's jobs
         self.sock = bind(options.host, options.port)  # a taken port fails here, before any weight loads
+        if options.api_key is None and not _loopback(options.host):
+            logger.warning(
+                "listening on %s without an API key: anyone who reaches this port can submit jobs", options.host
+            )
         self.store = JobStore(output / STORE_NAME)
         recovered = self.store.recover("the server stopped before this job finished; submit it again")
         if recovered:
@@ -80,6 +88,26 @@ class Frontend:
         else:
             self.sock.close()
         self.store.close()
+        os.close(self._lock)
+
+
+def _lock_output(output: Path) -> int:
+    fd = os.open(output / "jobs.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ConfigError(
+            f"--output {output}: another distvideo serve uses this folder (its job store); give each server its own"
+        ) from None
+    return fd
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def serve(config: EngineConfig, options: ServeOptions, presets: dict[str, Any] | None = None) -> int:
