@@ -140,13 +140,17 @@ def test_a_dead_launched_rank_fails_the_job_and_the_launch_exits_nonzero(tmp_pat
 
 
 @pytest.mark.slow
-def test_a_dead_mp_worker_fails_the_jobs_turns_health_unhealthy_and_the_loop_returns_1(tmp_path):
-    """In this process, so the test decides when the HTTP server stops: the engine loop returns 1 (`distvideo serve`'s
-    exit code) after a worker died, the running and the queued job fail, and the server, still up, says why."""
+def test_health_from_loading_to_unhealthy_when_an_mp_worker_dies(tmp_path):
+    """In this process, so the test decides when the HTTP server stops: /health says "loading" until the model is
+    loaded; after a worker died the engine loop returns 1 (`distvideo serve`'s exit code), the running and the queued
+    job fail, and the server, still up, says why."""
     engine = resolve_engine(EngineConfig(executor="mp", num_gpus=2))
     options = ServeOptions(port=0, output=str(tmp_path), limits=ServeLimits(max_steps=1000))
     front = Frontend(engine, options, {})
     front.start_http(engine, options)
+    assert front.http is not None
+    loading = httpx.get(front.http.url + "/health", timeout=60)  # the port is open before the model loads
+    assert loading.status_code == 503 and loading.json()["status"] == "loading", loading.text
     gen = VideoGenerator.from_engine(engine)
     try:
         loop = front.loop = EngineLoop(gen, front.service, front.store, Adapters(gen, [], {}))
@@ -154,7 +158,6 @@ def test_a_dead_mp_worker_fails_the_jobs_turns_health_unhealthy_and_the_loop_ret
         codes: list[int] = []
         thread = threading.Thread(target=lambda: codes.append(loop.run()), daemon=True)
         thread.start()
-        assert front.http is not None
         with httpx.Client(base_url=front.http.url, timeout=60) as client:
             assert client.get("/health").json()["status"] == "ok"
             job = client.post("/v1/videos", json={"prompt": "doomed", **LONG}).json()
