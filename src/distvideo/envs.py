@@ -68,6 +68,13 @@ _declare(
     1024,
     "Default lora_cache_mb: MiB of cached LoRA adapters per rank (least recently used inactive ones dropped first).",
 )
+_declare(
+    "DISTVIDEO_API_KEY",
+    _str,
+    None,
+    "distvideo serve: the API key clients must send as 'Authorization: Bearer KEY' when --api-key is not given "
+    "(keeps the key off the command line).",
+)
 _declare("DISTVIDEO_NO_PROGRESS", _bool, False, "Disable the tqdm progress bar (same as --no-progress).")
 _declare(
     "DISTVIDEO_COMPACT_TEXT_PADDING",

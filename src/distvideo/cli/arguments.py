@@ -92,23 +92,29 @@ def add_request_arguments(parser: argparse.ArgumentParser, defaults: dict[str, A
         parser.set_defaults(**defaults)
 
 
-def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, GenerationRequest]:
-    """Config file first, then every flag that was given on the command line; both validated (no model needed)."""
+def engine_config_from_args(args: argparse.Namespace) -> tuple[EngineConfig, dict[str, Any]]:
+    """The EngineConfig from --config's 'engine' section and the engine flags (validated), and the file's 'request'
+    section as it was read (checked values)."""
     file_values: dict[str, dict[str, Any]] = {"engine": {}, "request": {}}
     if getattr(args, "config", None):
         file_values = load_config_file(args.config)
     engine = dict(file_values["engine"])
-    request = dict(file_values["request"])
     for f in dataclasses.fields(EngineConfig):
         value = getattr(args, f.name, None)
         if value is not None:
             engine[f.name] = value
+    engine_config = EngineConfig(**engine)
+    engine_config.validate()
+    return engine_config, dict(file_values["request"])
+
+
+def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, GenerationRequest]:
+    """Config file first, then every flag that was given on the command line; both validated (no model needed)."""
+    engine_config, request = engine_config_from_args(args)
     for name in REQUEST_FLAGS:
         value = getattr(args, name, None)
         if value is not None:
             request[name] = value
-    engine_config = EngineConfig(**engine)
-    engine_config.validate()
     if not request.get("prompt"):
         raise ConfigError("--prompt: required (or 'request.prompt' in --config); e.g. --prompt 'a cat surfing'")
     gen_request = GenerationRequest(**request)

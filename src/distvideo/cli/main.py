@@ -8,7 +8,12 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from distvideo.cli.arguments import add_engine_arguments, add_request_arguments, configs_from_args
+from distvideo.cli.arguments import (
+    add_engine_arguments,
+    add_request_arguments,
+    configs_from_args,
+    engine_config_from_args,
+)
 from distvideo.cli.signals import Terminated, install_signal_handlers, restore_signal_handlers
 from distvideo.errors import ConfigError
 
@@ -41,6 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--batch-seed", dest="batch_seed", type=int, default=0, help="seeds of items without one")
     add_bench_parser(sub)
+    from distvideo.serving.options import add_serve_arguments
+
+    srv = sub.add_parser("serve", help="serve the HTTP video API (OpenAI-style /v1/videos) on this engine")
+    add_engine_arguments(srv)
+    add_serve_arguments(srv)
     return parser
 
 
@@ -104,6 +114,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Runs until a stop signal (0) or an engine failure (1); handles SIGTERM/SIGINT itself (graceful shutdown)."""
+    from distvideo import envs
+    from distvideo.serving.admission import PRESETTABLE
+    from distvideo.serving.options import options_from_args
+    from distvideo.serving.server import serve
+
+    engine_config, request_section = engine_config_from_args(args)
+    ignored = sorted(set(request_section) - set(PRESETTABLE))
+    if ignored:
+        raise ConfigError(
+            f"--config {args.config}: 'request.{ignored[0]}' cannot be preset for a server; presettable: "
+            f"{', '.join(PRESETTABLE)} (each request brings its prompt; the server names the files)"
+        )
+    options = options_from_args(args, api_key_default=envs.get("DISTVIDEO_API_KEY"))
+    return serve(engine_config, options, presets=request_section)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from distvideo.logging_utils import configure_logging
 
@@ -113,8 +141,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:
         return int(exc.code or 0)
     configure_logging(getattr(args, "log_level", None))
-    previous_handlers = install_signal_handlers()
+    # serve stops gracefully on SIGTERM/SIGINT with handlers of its own (distvideo.serving.lifecycle)
+    previous_handlers = install_signal_handlers() if args.command != "serve" else {}
     try:
+        if args.command == "serve":
+            return cmd_serve(args)
         if args.command == "generate":
             return cmd_generate(args)
         if args.command == "bench":
