@@ -106,15 +106,23 @@ class EngineConfig:
 
 @dataclass
 class GenerationRequest:
-    """One text-to-video request. None means "the model's default" (see models.registry)."""
+    """One text- or image-to-video request. None means "the model's default" (see models.registry).
+
+    `image` (image-to-video models): a file path, a PIL image or a uint8 array (H, W, 3); the model's request
+    resolution reads it into a uint8 RGB array. `guidance_scale_2` and `boundary_ratio` apply to two-expert models
+    (Wan2.2 A14B): the low-noise expert's guidance scale, and the fraction of the training timesteps above which the
+    high-noise expert runs."""
 
     prompt: str = ""
     negative_prompt: str | None = None
+    image: Any = None
     num_frames: int | None = None
     height: int | None = None
     width: int | None = None
     num_inference_steps: int | None = None
     guidance_scale: float | None = None
+    guidance_scale_2: float | None = None
+    boundary_ratio: float | None = None
     seed: int = 0
     fps: int = 16
     output_path: str | None = None
@@ -132,13 +140,25 @@ class GenerationRequest:
         _check_int("height", self.height, minimum=1)
         _check_int("width", self.width, minimum=1)
         _check_int("num_inference_steps", self.num_inference_steps, minimum=1, flag="--steps")
-        if self.guidance_scale is not None:
-            if isinstance(self.guidance_scale, bool) or not isinstance(self.guidance_scale, (int, float)):
-                raise ConfigError(f"guidance_scale: expected a number, got {self.guidance_scale!r}")
-            if not (0.0 <= float(self.guidance_scale) < 1e4):
+        for name in ("guidance_scale", "guidance_scale_2"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(f"{name}: expected a number, got {value!r}")
+            if not (0.0 <= float(value) < 1e4):
+                raise ConfigError(f"{name}={value} must be >= 0 (1 or less turns classifier-free guidance off)")
+        if self.boundary_ratio is not None:
+            ratio = self.boundary_ratio
+            if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= float(ratio) <= 1.0:
                 raise ConfigError(
-                    f"guidance_scale={self.guidance_scale} must be >= 0 (1 or less turns classifier-free guidance off)"
+                    f"boundary_ratio={ratio!r} must be a number from 0 to 1 (the fraction of the training timesteps "
+                    "above which the high-noise expert runs; Wan2.2 T2V-A14B uses 0.875)"
                 )
+        if self.image is not None:
+            from distvideo.media import check_image_type
+
+            check_image_type(self.image)
         for name in ("seed", "fps", "max_sequence_length"):
             if getattr(self, name) is None:
                 raise ConfigError(f"{name}: expected an integer, got None")
@@ -152,8 +172,13 @@ class GenerationRequest:
 
     def digest_fields(self) -> dict[str, Any]:
         """The fields every rank must agree on (all of them: the output path only matters on rank 0,
-        but a difference there is still a sign of a divergent script)."""
-        return dataclasses.asdict(self)
+        but a difference there is still a sign of a divergent script). The image is compared by its content (a file
+        by its bytes, so each node may hold its own copy), never by its path or object."""
+        from distvideo.media import image_fingerprint
+
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        fields["image"] = image_fingerprint(self.image)
+        return fields
 
 
 def _default(value: bool | None, default: Any) -> bool:
@@ -219,6 +244,11 @@ def _check_section(path: str | Path, section: str, cls: type, values: dict[str, 
             raise ConfigError(f"--config {path}: unknown key '{dotted}'; known keys: {', '.join(sorted(names))}")
         if section == "engine" and key == "lora":
             checked[key] = _parse_lora_list(path, dotted, value)
+            continue
+        if section == "request" and key == "image":  # a file path in a config file (the API also takes arrays)
+            if value is not None and not isinstance(value, str):
+                raise ConfigError(f"--config {path}: '{dotted}' must be a file path, got {value!r}")
+            checked[key] = value
             continue
         checked[key] = _coerce(path, dotted, hints[key], value)
     return checked

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-from distvideo.cli.arguments import add_engine_arguments, add_request_arguments, configs_from_args
+from distvideo.cli.arguments import (
+    add_engine_arguments,
+    add_request_arguments,
+    configs_from_args,
+    request_fields_given,
+)
 from distvideo.cli.signals import Terminated, install_signal_handlers, restore_signal_handlers
 from distvideo.errors import ConfigError
 
@@ -44,8 +50,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     engine_config, request = configs_from_args(args)
     engine = resolve_engine(engine_config)
-    # check the request against the model's JSON files before any process starts or weight loads
-    request = engine.model.resolve_request(request)
+    if "fps" not in request_fields_given(args):
+        request = dataclasses.replace(request, fps=int(engine.model.defaults.get("fps", request.fps)))
+    # check the request against the model's JSON files before any process starts or weight loads; under a launcher
+    # the image file is read later, on every rank at once, so a file missing on one node is refused on all of them
+    # (exiting here on that node alone would leave the others waiting for it at the rendezvous)
+    request = engine.model.resolve_request(request, read_image=engine.executor != "external")
     with VideoGenerator.from_engine(engine) as gen:
         result = gen.generate_request(request)
         if gen.is_output_rank and result.video_path:

@@ -38,7 +38,7 @@ def load_component(info: ModelInfo, name: str, dtype: torch.dtype | None = None)
     cls = component_class(library, class_name)
     folder = info.path / name
     kwargs: dict[str, Any] = {}
-    if dtype is not None and name not in ("tokenizer", "scheduler"):
+    if dtype is not None and name not in _NO_WEIGHTS:
         kwargs["dtype" if library == "transformers" else "torch_dtype"] = dtype
     try:
         if name == "scheduler":
@@ -72,7 +72,7 @@ def load_components(info: ModelInfo, dtypes: dict[str, torch.dtype]) -> dict[str
 
 # --- file checks before loading -----------------------------------------------------------------------------------
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
-_NO_WEIGHTS = ("tokenizer", "scheduler")  # components made of JSON / vocabulary files only
+_NO_WEIGHTS = ("tokenizer", "scheduler", "image_processor")  # components made of JSON / vocabulary files only
 
 
 def verify_component_files(info: ModelInfo) -> None:
