@@ -143,7 +143,11 @@ class Worker:
 
         model = self.model_info
         components = load_components(model, component_dtypes(self.device, self.config.dtype))
-        plans = [*(self.parallel.plans() if self.parallel is not None else []), *speed_plans(self.config)]
+        transformers = model.family.transformers
+        plans = [
+            *(self.parallel.plans(transformers) if self.parallel is not None else []),
+            *speed_plans(self.config, model),
+        ]
         self._undo_plans = apply_plans(components, plans)
         pipeline_cls = PIPELINES[model.family.pipeline]
         self.pipeline = pipeline_cls(

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 import torch
@@ -46,12 +46,20 @@ class ParallelContext:
         """Create the layout's process groups (collective: every rank calls it, once)."""
         return cls(ParallelGroups.create(layout, timeout=timeout), device=device)
 
-    def plans(self) -> list[ModulePlan]:
-        """Ulysses on the transformer (sp > 1) with the text-projection memo (SP does not split the text side of
-        cross-attention: project it once per request, not once per step), and the banded decode on the VAE."""
+    def plans(self, transformers: Sequence[str] = ("transformer",)) -> list[ModulePlan]:
+        """Ulysses on every denoising transformer (sp > 1; a second expert gets its own plan, counting into the
+        first's counters) with the text-projection memo (SP does not split the text side of cross-attention: project
+        it once per request, not once per step), and the banded decode on the VAE."""
         plans: list[ModulePlan] = []
         if self.ulysses is not None:
-            plans += [self.ulysses, TextProjectionMemo(self.counts)]
+            for name in transformers:
+                ulysses = self.ulysses
+                if name != ulysses.component:
+                    first = self.ulysses
+                    ulysses = UlyssesPlan(
+                        first.group, first.sp_size, first.sp_rank, component=name, counts=first.counts
+                    )
+                plans += [ulysses, TextProjectionMemo(self.counts, component=name)]
         plans.append(self.vae_decoder)
         return plans
 

@@ -36,7 +36,7 @@ from distvideo.testing.checkpoints import (
 )
 from distvideo.testing.tokenizer import build_tiny_tokenizer, save_tokenizer
 
-__all__ = ["FAMILY_BUILDS", "build_family_checkpoint", "write_test_image"]
+__all__ = ["FAMILY_BUILDS", "build_family_checkpoint", "with_scheduler", "write_test_image"]
 
 _VAE_OUT_GAIN = 0.75  # as in checkpoints.py: keeps random decoders' output mostly inside [-1, 1]
 _SEED_OFFSETS = {"transformer": 0, "transformer_2": 500, "vae": 1_000, "text_encoder": 2_000, "image_encoder": 3_000}
@@ -263,3 +263,24 @@ def write_test_image(path: str | Path, width: int = 40, height: int = 28, seed: 
     pixels = (smooth.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)
     Image.fromarray(pixels).save(path)
     return Path(path)
+
+
+def with_scheduler(checkpoint: str | Path, out_dir: str | Path, scheduler: str) -> Path:
+    """A view of `checkpoint` with another scheduler ("flow" or "unipc", with the checkpoint's shift): its component
+    folders linked, `scheduler/` and `model_index.json` written anew. Cheaper than building a second checkpoint."""
+    import json
+
+    src, out = Path(checkpoint), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=False)
+    index = json.loads((src / "model_index.json").read_text())
+    old = json.loads((src / "scheduler" / "scheduler_config.json").read_text())
+    shift = old.get("flow_shift", old.get("shift", 3.0))
+    sched = _build_scheduler(scheduler)
+    sched.register_to_config(**({"flow_shift": shift} if scheduler == "unipc" else {"shift": shift}))
+    sched.save_pretrained(out / "scheduler")
+    for entry in sorted(src.iterdir()):
+        if entry.name not in ("scheduler", "model_index.json"):
+            (out / entry.name).symlink_to(entry.resolve(), target_is_directory=entry.is_dir())
+    index["scheduler"] = ["diffusers", type(sched).__name__]
+    _write_json(out / "model_index.json", index)
+    return out

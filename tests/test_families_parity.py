@@ -1,0 +1,92 @@
+"""Single-rank frames of every model family equal the matching diffusers pipeline's within 2 (uint8) for the same
+checkpoint, prompt, image and seed: non-square sizes, both schedulers (UniPC and flow matching), several step counts,
+with and without guidance. The speed plans are on (the default), so this also shows them exact for each family."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from distvideo import VideoGenerator
+from family_checkpoints import DIFFUSERS_CLASS, diffusers_frames, family_checkpoint, max_abs_diff, test_image
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "a red fox running through snow"
+# (family, scheduler, with an image, request). Latent rows x columns: stride 16 (Wan2.1 VAE) or 32 (TI2V-5B's).
+CASES = [
+    ("wan21_i2v", "unipc", True, dict(num_frames=5, height=32, width=48, num_inference_steps=3, guidance_scale=5.0)),
+    ("wan21_i2v", "flow", True, dict(num_frames=9, height=48, width=32, num_inference_steps=2, guidance_scale=1.0)),
+    ("wan22_t2v_a14b", "unipc", False, dict(num_frames=9, height=48, width=80, num_inference_steps=4,
+                                            guidance_scale=4.0, guidance_scale_2=3.0)),
+    ("wan22_t2v_a14b", "flow", False, dict(num_frames=5, height=32, width=48, num_inference_steps=3,
+                                           guidance_scale=3.0)),
+    ("wan22_i2v_a14b", "unipc", True, dict(num_frames=5, height=48, width=32, num_inference_steps=3,
+                                           guidance_scale=3.5, guidance_scale_2=2.0)),
+    ("wan22_i2v_a14b", "flow", True, dict(num_frames=5, height=32, width=48, num_inference_steps=4,
+                                          guidance_scale=5.0)),
+    ("wan22_ti2v_5b", "unipc", False, dict(num_frames=5, height=64, width=96, num_inference_steps=3,
+                                           guidance_scale=5.0)),
+    ("wan22_ti2v_5b", "flow", True, dict(num_frames=9, height=96, width=64, num_inference_steps=2,
+                                         guidance_scale=4.0)),
+    ("wan22_ti2v_5b", "unipc", True, dict(num_frames=5, height=32, width=64, num_inference_steps=4,
+                                          guidance_scale=1.0)),
+]  # fmt: skip
+
+
+def _case_id(case: tuple) -> str:
+    family, scheduler, image, req = case
+    return f"{family}-{scheduler}-{'i2v' if image else 't2v'}-{req['num_inference_steps']}steps"
+
+
+def _count_forwards(gen: VideoGenerator) -> dict[str, int]:
+    """How often each transformer of the inline worker ran in the last request (hooks installed on first call)."""
+    return gen.collective_rpc(_forward_counts)[0]
+
+
+def _forward_counts(worker) -> dict[str, int]:
+    pipeline = worker.pipeline
+    counts = getattr(pipeline, "_test_forward_counts", None)
+    if counts is None:
+        counts = {}
+        for name in ("transformer", "transformer_2"):
+            module = getattr(pipeline, name, None)
+            if module is not None:
+                counts[name] = 0
+                module.register_forward_pre_hook(lambda m, a, name=name: counts.__setitem__(name, counts[name] + 1))
+        pipeline._test_forward_counts = counts
+    return dict(counts)
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_family_matches_diffusers(tmp_path_factory, case):
+    family, scheduler, with_image, request = case
+    model = family_checkpoint(tmp_path_factory, family, scheduler)
+    image = test_image(tmp_path_factory) if with_image else None
+    with VideoGenerator.from_pretrained(model, executor="inline") as gen:
+        before = _count_forwards(gen)
+        res = gen.generate(PROMPT, negative_prompt="blurry", image=image, seed=5, save_video=False, **request)
+        after = _count_forwards(gen)
+    pipeline = "WanImageToVideoPipeline" if with_image else DIFFUSERS_CLASS[family]
+    ref = diffusers_frames(model, pipeline, PROMPT, negative_prompt="blurry", image=image, seed=5, **request)
+    assert res.frames.shape == (request["num_frames"], request["height"], request["width"], 3)
+    assert res.frames.std() > 1.0, "flat frames would prove nothing"
+    assert max_abs_diff(res.frames, ref) <= 2
+    if "a14b" in family:  # the requests are chosen so that both experts run, the high-noise one first
+        ran = {name: after[name] - before[name] for name in after}
+        assert ran["transformer"] > 0 and ran["transformer_2"] > 0, ran
+
+
+def test_image_forms_give_the_same_frames(tmp_path_factory):
+    """A path, a PIL image and a uint8 array of the same pixels give bit-identical frames."""
+    from PIL import Image
+
+    model = family_checkpoint(tmp_path_factory, "wan22_ti2v_5b")
+    path = test_image(tmp_path_factory, seed=3, size=(50, 30))
+    pil = Image.open(path).convert("RGB")
+    kwargs = dict(num_frames=5, height=32, width=64, num_inference_steps=2, seed=1, save_video=False)
+    with VideoGenerator.from_pretrained(model, executor="inline") as gen:
+        frames = [gen.generate(PROMPT, image=form, **kwargs).frames for form in (str(path), pil, np.asarray(pil))]
+        without = gen.generate(PROMPT, **kwargs).frames
+    assert np.array_equal(frames[0], frames[1]) and np.array_equal(frames[0], frames[2])
+    assert not np.array_equal(frames[0], without), "the image must change the video"
