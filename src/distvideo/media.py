@@ -275,7 +275,7 @@ def image_fingerprint(image: Any) -> str | None:
         try:
             digest.update(Path(image).expanduser().read_bytes())
         except OSError as exc:
-            return f"unreadable here ({type(exc).__name__})"
+            return f"not readable on {_hostname()} ({type(exc).__name__})"
         return "file sha256 " + digest.hexdigest()[:16]
     if _is_pil_image(image):
         digest.update(f"{image.mode} {image.size}".encode())
