@@ -52,18 +52,35 @@ TWO_RANKS = [  # (engine, family, sp_size, cfg_parallel, requests)
     ("i2v14-cfg2", "wan22_i2v_a14b", 1, True, ["i2v14"]),
     ("ti2v-sp2", "wan22_ti2v_5b", 2, False, ["ti2v_t2v", "ti2v_i2v_odd"]),
     ("ti2v-cfg2", "wan22_ti2v_5b", 1, True, ["ti2v_i2v"]),
+    ("t2v14-sp2-lora", "wan22_t2v_a14b", 2, False, ["moe_lora"]),
 ]
 FOUR_RANKS = [
     ("ti2v-sp2cfg2", "wan22_ti2v_5b", 2, True, ["ti2v_i2v_odd"]),
     ("i2v-sp2cfg2", "wan21_i2v", 2, True, ["i2v"]),
     ("t2v14-sp2cfg2", "wan22_t2v_a14b", 2, True, ["moe"]),
 ]
+# engine -> LoRA adapters (nickname, seed, strength, target), built for its checkpoint; request names ending in
+# "_lora" are the same request with those adapters active
+LORAS = {"t2v14-sp2-lora": [("high", 1, 0.7, "transformer"), ("low", 2, 0.9, "transformer_2")]}
+REQUESTS["moe_lora"] = REQUESTS["moe"]
 # the Wan2.2 VAE (z_dim 48, patchified, residual up blocks) decoded in bands: even rows, and 5 rows split 3 + 2
 DECODE_CHECKS = {"ti2v-sp2": [[1, 48, 2, 6, 4], [1, 48, 2, 5, 3]]}
 
 
 def _kwargs(request: str, image: Path) -> dict[str, Any]:
     return {k: (str(image) if v == IMAGE else v) for k, v in REQUESTS[request][1].items()}
+
+
+def _loras(factory, engine: str, family: str) -> list[list[Any]]:
+    from distvideo.testing.lora_files import build_random_lora
+
+    model = family_checkpoint(factory, family)
+    folder = factory.getbasetemp() / "family-loras"
+    folder.mkdir(exist_ok=True)
+    return [
+        [nickname, str(build_random_lora(model, folder / f"{engine}-{nickname}.safetensors", seed=seed)), s, target]
+        for nickname, seed, s, target in LORAS.get(engine, [])
+    ]
 
 
 def _launch(tmp: Path, factory, engines: list[tuple], nproc: int) -> dict:
@@ -76,6 +93,7 @@ def _launch(tmp: Path, factory, engines: list[tuple], nproc: int) -> dict:
             "cfg_parallel": cfg,
             "requests": [{"name": r, "kwargs": _kwargs(r, image)} for r in requests],
             "decode_checks": DECODE_CHECKS.get(name, []),
+            "loras": _loras(factory, name, family),
         }
         for name, family, sp, cfg, requests in engines
     ]
@@ -98,7 +116,7 @@ def four_ranks(tmp_path_factory) -> dict:
 @pytest.fixture(scope="module")
 def single_rank(tmp_path_factory) -> dict[str, np.ndarray]:
     """Inline single-rank frames of every request the launches run."""
-    wanted = sorted({r for *_, requests in TWO_RANKS + FOUR_RANKS for r in requests})
+    wanted = sorted({r for *_, requests in TWO_RANKS + FOUR_RANKS for r in requests if not r.endswith("_lora")})
     image = test_image(tmp_path_factory)
     frames = {}
     for family in sorted({REQUESTS[r][0] for r in wanted}):
@@ -106,6 +124,14 @@ def single_rank(tmp_path_factory) -> dict[str, np.ndarray]:
             for r in (r for r in wanted if REQUESTS[r][0] == family):
                 res = gen.generate("a red fox running through snow", save_video=False, **_kwargs(r, image))
                 frames[r] = res.frames
+    for engine, family, _, _, requests in TWO_RANKS:
+        if engine not in LORAS:
+            continue
+        with VideoGenerator.from_pretrained(family_checkpoint(tmp_path_factory, family), executor="inline") as gen:
+            for nickname, path, strength, target in _loras(tmp_path_factory, engine, family):
+                gen.set_lora_adapter(nickname, path, strength=strength, accumulate=True, target=target)
+            for r in requests:
+                frames[r] = gen.generate("a red fox running through snow", save_video=False, **_kwargs(r, image)).frames
     return frames
 
 
@@ -173,3 +199,10 @@ def test_banded_decode_of_the_wan22_vae_is_exact(two_ranks):
         assert diffs[0] is not None and diffs[0] <= 1e-4, f"{shape}: banded vs single {diffs[0]}"
     counts = [rank["vae"] for rank in two_ranks["report"]["ti2v-sp2-ti2v_t2v"]["ranks"]]
     assert all(c.get("halo_exchange", 0) > 0 and c.get("gather") == 1 for c in counts), counts
+
+
+def test_adapters_on_both_experts_change_the_parallel_frames(two_ranks):
+    """The sp=2 run with adapters on both experts (matched against one rank above) differs from the one without."""
+    with_lora = np.load(two_ranks["dir"] / "t2v14-sp2-lora-moe_lora.npy")
+    without = np.load(two_ranks["dir"] / "t2v14-sp2-moe.npy")
+    assert max_abs_diff(with_lora, without) > 20

@@ -29,23 +29,34 @@ def _option(help: str, default: Any = None, **cli: Any) -> Any:
     return field(default=default, metadata={"help": help, **cli})
 
 
+LORA_TARGETS = ("transformer", "transformer_2")
+
+
 @dataclass
 class LoraSpec:
     path: str
     strength: float = 1.0
+    target: str = "transformer"  # the transformer it changes; "transformer_2": Wan2.2 A14B's low-noise expert
 
     @classmethod
     def parse(cls, text: str) -> LoraSpec:
-        """`PATH[:STRENGTH]`; a trailing `:number` is the strength (paths may contain ':')."""
+        """`[TARGET=]PATH[:STRENGTH]`; a trailing `:number` is the strength (paths may contain ':'), a leading
+        `transformer_2=` (or `transformer=`) the transformer the adapter changes."""
+        target = "transformer"
+        for name in LORA_TARGETS:
+            if text.startswith(f"{name}="):
+                target, text = name, text[len(name) + 1 :]
         path, sep, tail = text.rpartition(":")
         if sep and path:
             try:
-                return cls(path=path, strength=float(tail))
+                return cls(path=path, strength=float(tail), target=target)
             except ValueError:
                 pass
         if not text:
-            raise ConfigError("--lora: empty value; expected PATH or PATH:STRENGTH, e.g. style.safetensors:0.8")
-        return cls(path=text, strength=1.0)
+            raise ConfigError(
+                "--lora: empty value; expected [transformer_2=]PATH[:STRENGTH], e.g. style.safetensors:0.8"
+            )
+        return cls(path=text, strength=1.0, target=target)
 
 
 @dataclass
@@ -63,7 +74,12 @@ class EngineConfig:
     dtype: str | None = _option("transformer and text-encoder dtype (default: bfloat16 on GPU)", choices=DTYPES)
     lora: list[LoraSpec] = field(
         default_factory=list,
-        metadata={"help": "LoRA adapter PATH[:STRENGTH]; repeat to stack", "parse": "lora", "metavar": "PATH[:S]"},
+        metadata={
+            "help": "LoRA adapter PATH[:STRENGTH]; repeat to stack; transformer_2=PATH[:S] for Wan2.2 A14B's low-noise "
+            "expert",
+            "parse": "lora",
+            "metavar": "[T=]PATH[:S]",
+        },
     )
     compact_text_padding: bool | None = _option(
         "cross-attend to the text padding as one weighted key (exact; default on, DISTVIDEO_COMPACT_TEXT_PADDING)"
@@ -98,6 +114,10 @@ class EngineConfig:
         for spec in self.lora:
             if not 0.0 <= abs(spec.strength) < 1e6:
                 raise ConfigError(f"lora strength {spec.strength} for {spec.path} is not a finite number")
+            if spec.target not in LORA_TARGETS:
+                raise ConfigError(
+                    f"lora target {spec.target!r} for {spec.path}: choose one of {', '.join(LORA_TARGETS)}"
+                )
         if self.log_level is not None and (
             not isinstance(self.log_level, str) or self.log_level.upper() not in LOG_LEVELS
         ):
@@ -260,14 +280,21 @@ def _parse_lora_list(path: str | Path, dotted: str, value: Any) -> list[LoraSpec
     for i, item in enumerate(items):
         if isinstance(item, str):
             specs.append(LoraSpec.parse(item))
-        elif isinstance(item, dict) and set(item) <= {"path", "strength"} and isinstance(item.get("path"), str):
+        elif (
+            isinstance(item, dict) and set(item) <= {"path", "strength", "target"} and isinstance(item.get("path"), str)
+        ):
             strength = item.get("strength", 1.0)
             if isinstance(strength, bool) or not isinstance(strength, (int, float)):
                 raise ConfigError(f"--config {path}: '{dotted}[{i}].strength' must be a number, got {strength!r}")
-            specs.append(LoraSpec(path=item["path"], strength=float(strength)))
+            target = item.get("target", "transformer")
+            if target not in LORA_TARGETS:
+                raise ConfigError(
+                    f"--config {path}: '{dotted}[{i}].target' must be one of {LORA_TARGETS}, got {target!r}"
+                )
+            specs.append(LoraSpec(path=item["path"], strength=float(strength), target=target))
         else:
             raise ConfigError(
-                f"--config {path}: '{dotted}[{i}]' must be 'PATH[:STRENGTH]' or {{path: ..., strength: ...}}, "
+                f"--config {path}: '{dotted}[{i}]' must be 'PATH[:STRENGTH]' or {{path: ..., strength: ..., target: ...}}, "
                 f"got {item!r}"
             )
     return specs

@@ -217,14 +217,22 @@ class VideoGenerator:
 
     # -- LoRA (distvideo.lora; docs/lora.md) ----------------------------------------------------
     def set_lora_adapter(
-        self, nickname: str, path: str | Path | None = None, strength: float = 1.0, accumulate: bool = False
+        self,
+        nickname: str,
+        path: str | Path | None = None,
+        strength: float = 1.0,
+        accumulate: bool = False,
+        *,
+        target: str = "transformer",
     ) -> None:
         """Load (and cache under `nickname`) a LoRA file, or switch to a cached one with path=None, and activate it
         merged into the weights: on top of the active adapters with accumulate=True, else replacing them. Every
-        rank loads and checks it first; on any failure no rank changes its weights and all raise the same error."""
+        rank loads and checks it first; on any failure no rank changes its weights and all raise the same error.
+        `target`: the transformer it changes ("transformer_2": the low-noise expert of Wan2.2 A14B, as diffusers'
+        ``load_into_transformer_2``); each transformer has its own active adapters."""
         from distvideo.lora.control import set_lora_adapter
 
-        set_lora_adapter(self.executor, nickname, path, strength, accumulate)
+        set_lora_adapter(self.executor, nickname, path, strength, accumulate, target)
 
     def unmerge_lora_weights(self) -> None:
         """Restore the exact base weights; the active adapters keep applying on the fly."""
@@ -245,13 +253,14 @@ class VideoGenerator:
         clear_adapters(self.executor)
 
     def _apply_lora_specs(self, specs: list[LoraSpec]) -> None:
-        """--lora / engine.lora: the first adapter replaces, the following ones stack; nicknames are file stems."""
+        """--lora / engine.lora: the first adapter replaces, the following ones stack (per target transformer);
+        nicknames are file stems."""
         taken: set[str] = set()
         for i, spec in enumerate(specs):
             stem = Path(spec.path).stem or "lora"
             nickname = stem if stem not in taken else f"{stem}#{i}"
             taken.add(nickname)
-            self.set_lora_adapter(nickname, spec.path, strength=spec.strength, accumulate=i > 0)
+            self.set_lora_adapter(nickname, spec.path, strength=spec.strength, accumulate=i > 0, target=spec.target)
 
     # -- life cycle ------------------------------------------------------------------------------
     def shutdown(self) -> None:

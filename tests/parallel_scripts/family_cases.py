@@ -3,7 +3,7 @@
 usage: family_cases.py CASES_JSON OUT_DIR
 
 CASES_JSON holds a list of engines, each {"name", "model", "sp_size", "cfg_parallel", "requests": [{"name",
-"kwargs"}], "decode_checks": [latent shapes]}. Every engine is a VideoGenerator on the external executor. Rank 0
+"kwargs"}], "decode_checks": [latent shapes], "loras": [[nickname, path, strength, target]]}. Every engine is a VideoGenerator on the external executor. Rank 0
 saves each request's frames as OUT_DIR/<engine>-<request>.npy and writes OUT_DIR/report.json with, per request and
 rank: whether the rank holds frames, the plans' collective counters, the digest of the image conditioning the rank
 computed (CLIP tokens and condition latents), its time, and the experts' swaps; and per decode check the float
@@ -94,6 +94,8 @@ def main() -> None:
                     case["model"], executor="external", sp_size=case["sp_size"], cfg_parallel=case["cfg_parallel"]
                 )
             )
+            for nickname, path, strength, target in case.get("loras", []):
+                gen.set_lora_adapter(nickname, path, strength=strength, accumulate=True, target=target)
             gen.collective_rpc(record_conditioning)
             for request in case["requests"]:
                 key = f"{case['name']}-{request['name']}"
