@@ -64,7 +64,10 @@ class EngineConfig:
     """How the engine runs. Fields left None take their default when the engine is resolved (`with_defaults`):
     the environment's (distvideo.envs) for the switches, the launcher's or the machine's for the rest."""
 
-    model: str | None = _option("diffusers-format checkpoint folder (default: the embedded tiny model)")
+    model: str | None = _option(
+        "diffusers-format checkpoint folder, or a Hugging Face repo id resolved through the hub cache (default: the "
+        "embedded tiny model)"
+    )
     num_gpus: int | None = _option("number of ranks (default 1, or the launcher's world size)")
     executor: str = _option("how ranks exist", "auto", choices=EXECUTORS)
     sp_size: int | None = _option("sequence-parallel degree (default: automatic)")
