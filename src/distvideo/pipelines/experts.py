@@ -119,6 +119,7 @@ class ExpertResidency:
         """Make `name` the expert on the device (a no-op when it is, or without offloading)."""
         if name == self.active or not self.offload:
             self.active = name
+            self.last_swap_s = 0.0
             return
         start = time.perf_counter()
         self._swap(self.active, name)

@@ -9,6 +9,7 @@ them as Wan2.1 I2V does (pipelines/wan_i2v.py). On CUDA only the active expert i
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,6 +25,8 @@ from distvideo.pipelines.wan_i2v import WanI2VPipeline
 if TYPE_CHECKING:
     from distvideo.parallel.context import ParallelContext
 
+logger = logging.getLogger(__name__)
+
 
 class ExpertSwitch:
     """The expert switch of a two-expert pipeline (a mixin over a WanT2VPipeline)."""
@@ -31,10 +34,17 @@ class ExpertSwitch:
     transformer: Any
     device: torch.device
 
-    def init_experts(self, components: dict[str, Any], offload: bool | None = None) -> None:
+    def init_experts(self, components: dict[str, Any], *, log: bool, offload: bool | None = None) -> None:
         self.transformer_2 = components["transformer_2"].eval()
         self.experts = {"transformer": self.transformer, "transformer_2": self.transformer_2}
         self.residency = ExpertResidency(self.experts, self.device, offload=offload)
+        if log and self.residency.offload:
+            logger.info(
+                "two experts: only the active one on %s; the other waits in pinned host memory (%.2f GiB kept off "
+                "the device) and they swap at the boundary timestep",
+                self.device,
+                self.residency.resident_bytes("transformer_2") / 2**30,
+            )
 
     def denoiser_at(self, t: torch.Tensor, batch: WanBatch) -> tuple[nn.Module, float]:
         """The expert for step `t` (made the one on the device) and its guidance scale."""
@@ -42,7 +52,9 @@ class ExpertSwitch:
         assert req.boundary_ratio is not None and req.guidance_scale is not None and req.guidance_scale_2 is not None
         boundary = boundary_timestep(req.boundary_ratio, batch.scheduler.config.num_train_timesteps)
         step = expert_for_step(t, boundary, req.guidance_scale, req.guidance_scale_2)
-        self.residency.activate(step.name)
+        if step.name != self.residency.active:
+            self.residency.activate(step.name)
+            batch.timings["expert_swap"] = batch.timings.get("expert_swap", 0.0) + self.residency.last_swap_s
         return self.experts[step.name], step.guidance_scale
 
 
@@ -59,7 +71,7 @@ class Wan22T2VA14BPipeline(ExpertSwitch, StagedWanPipeline):
         parallel: ParallelContext | None = None,
     ):
         super().__init__(components, device, model, show_progress=show_progress, parallel=parallel)
-        self.init_experts(components)
+        self.init_experts(components, log=parallel is None or parallel.rank == 0)
 
     def __call__(self, request: GenerationRequest, control: StepControl | None = None) -> WanBatch:
         assert request.guidance_scale is not None
@@ -103,4 +115,4 @@ class Wan22I2VA14BPipeline(ExpertSwitch, WanI2VPipeline):
         parallel: ParallelContext | None = None,
     ):
         super().__init__(components, device, model, show_progress=show_progress, parallel=parallel)
-        self.init_experts(components)
+        self.init_experts(components, log=parallel is None or parallel.rank == 0)
