@@ -47,3 +47,22 @@ def test_cli_image_missing_on_one_node_exits_2_on_every_rank(tmp_path_factory, t
     assert output.count("ranks disagree on the arguments of generate") == 2, format_output(proc)
     assert "rank 1: 'not readable on" in output
     assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []
+
+
+@pytest.mark.slow
+def test_mp_executor_takes_an_image_array(tmp_path_factory):
+    """Ranks distvideo spawns itself get the image (here a uint8 array) through the mp executor's pipes."""
+    import numpy as np
+    from PIL import Image
+
+    from distvideo import VideoGenerator
+    from family_checkpoints import max_abs_diff
+
+    model = family_checkpoint(tmp_path_factory, "wan22_ti2v_5b")
+    pixels = np.asarray(Image.open(test_image(tmp_path_factory)).convert("RGB"))
+    kwargs = dict(image=pixels, num_frames=5, height=64, width=64, num_inference_steps=2, seed=9, save_video=False)
+    with VideoGenerator.from_pretrained(model, executor="inline") as gen:
+        single = gen.generate("a fox", **kwargs).frames
+    with VideoGenerator.from_pretrained(model, num_gpus=2, executor="mp", sp_size=2) as gen:
+        spawned = gen.generate("a fox", **kwargs).frames
+    assert single.std() > 1.0 and max_abs_diff(spawned, single) <= 2
