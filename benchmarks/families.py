@@ -5,7 +5,7 @@ For each family a 4-layer checkpoint 256 wide (4 heads x 64; VAE base width 16) 
 (WanPipeline, or WanImageToVideoPipeline with an image) interleaved run by run, and the table below is printed from
 the JSON reports (medians of the per-run ratios distvideo / diffusers). Each family's bench runs in its own process.
 
-    python benchmarks/families.py --runs 3 --warmup 1 --out bench-families
+    python benchmarks/families.py --runs 5 --warmup 1 --out bench-families
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from pathlib import Path
 WIDTH = dict(num_layers=4, num_attention_heads=4, attention_head_dim=64, text_dim=64, vae_base_dim=16)
 # family -> (with an image, request flags)
 FAMILIES = {
-    "wan21_i2v": (True, ["--num-frames", "17", "--height", "128", "--width", "128", "--steps", "8"]),
-    "wan22_t2v_a14b": (False, ["--num-frames", "17", "--height", "128", "--width", "128", "--steps", "8"]),
-    "wan22_i2v_a14b": (True, ["--num-frames", "17", "--height", "128", "--width", "128", "--steps", "8"]),
-    "wan22_ti2v_5b": (True, ["--num-frames", "17", "--height", "128", "--width", "128", "--steps", "8"]),
+    "wan21_i2v": (True, ["--num-frames", "9", "--height", "96", "--width", "96", "--steps", "6"]),
+    "wan22_t2v_a14b": (False, ["--num-frames", "9", "--height", "96", "--width", "96", "--steps", "6"]),
+    "wan22_i2v_a14b": (True, ["--num-frames", "9", "--height", "96", "--width", "96", "--steps", "6"]),
+    "wan22_ti2v_5b": (True, ["--num-frames", "9", "--height", "96", "--width", "96", "--steps", "6"]),
 }
 ROWS = [
     ("end to end (s)", "e2e_s"),

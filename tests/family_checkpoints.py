@@ -48,6 +48,23 @@ def test_image(factory: pytest.TempPathFactory, seed: int = 0, size: tuple[int, 
 test_image.__test__ = False  # type: ignore[attr-defined]  # a helper, not a test
 
 
+def lora_files(factory: pytest.TempPathFactory, model: Path, loras: list[tuple]) -> list[tuple[Path, float, str]]:
+    """Random LoRA files for `model`, once per session: [(seed, strength, target)] -> [(path, strength, target)].
+    Odd seeds are written in diffusers' key layout, even ones in the original Wan layout with an alpha."""
+    from distvideo.testing.lora_files import build_random_lora
+
+    folder = factory.getbasetemp() / "family-loras"
+    folder.mkdir(exist_ok=True)
+    out = []
+    for seed, strength, target in loras:
+        path = folder / f"{model.name}-{seed}.safetensors"
+        if not path.exists():
+            layout, alpha = ("diffusers", None) if seed % 2 else ("wan", 2.0)
+            build_random_lora(model, path, layout=layout, seed=seed, alpha=alpha)
+        out.append((path, strength, target))
+    return out
+
+
 def diffusers_frames(model: Path, pipeline: str, prompt: str, *, image: Any = None, **kwargs: Any) -> np.ndarray:
     """The diffusers pipeline's frames as uint8 (output_type='np', times 255, rounded); `image` a path or None."""
     import diffusers
@@ -55,13 +72,14 @@ def diffusers_frames(model: Path, pipeline: str, prompt: str, *, image: Any = No
     from PIL import Image
 
     seed = kwargs.pop("seed", 0)
-    lora = kwargs.pop("lora", None)  # [(path, strength, into transformer_2)]
+    lora = kwargs.pop("lora", None)  # [(path, strength, target)]
     cls = getattr(diffusers, pipeline)
     pipe = cls.from_pretrained(str(model))
     pipe.set_progress_bar_config(disable=True)
     if lora:
         for i, (path, _, second) in enumerate(lora):
-            pipe.load_lora_weights(str(path), adapter_name=f"a{i}", load_into_transformer_2=second)
+            into_2 = second == "transformer_2"
+            pipe.load_lora_weights(str(path), adapter_name=f"a{i}", load_into_transformer_2=into_2)
         pipe.set_adapters([f"a{i}" for i in range(len(lora))], [s for _, s, _ in lora])
     if image is not None:
         kwargs["image"] = Image.open(image).convert("RGB")

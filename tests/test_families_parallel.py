@@ -63,6 +63,8 @@ FOUR_RANKS = [
 # "_lora" are the same request with those adapters active
 LORAS = {"t2v14-sp2-lora": [("high", 1, 0.7, "transformer"), ("low", 2, 0.9, "transformer_2")]}
 REQUESTS["moe_lora"] = REQUESTS["moe"]
+# engine -> requests whose image exists on rank 0 only (refused on every rank before any denoising)
+REFUSALS = {"ti2v-sp2": {"missing_on_rank_1": "ti2v_i2v"}}
 # the Wan2.2 VAE (z_dim 48, patchified, residual up blocks) decoded in bands: even rows, and 5 rows split 3 + 2
 DECODE_CHECKS = {"ti2v-sp2": [[1, 48, 2, 6, 4], [1, 48, 2, 5, 3]]}
 
@@ -94,6 +96,7 @@ def _launch(tmp: Path, factory, engines: list[tuple], nproc: int) -> dict:
             "requests": [{"name": r, "kwargs": _kwargs(r, image)} for r in requests],
             "decode_checks": DECODE_CHECKS.get(name, []),
             "loras": _loras(factory, name, family),
+            "refusals": [{"name": n, "kwargs": _kwargs(r, image)} for n, r in REFUSALS.get(name, {}).items()],
         }
         for name, family, sp, cfg, requests in engines
     ]
@@ -206,3 +209,15 @@ def test_adapters_on_both_experts_change_the_parallel_frames(two_ranks):
     with_lora = np.load(two_ranks["dir"] / "t2v14-sp2-lora-moe_lora.npy")
     without = np.load(two_ranks["dir"] / "t2v14-sp2-moe.npy")
     assert max_abs_diff(with_lora, without) > 20
+
+
+def test_image_missing_on_one_node_is_refused_on_every_rank(two_ranks):
+    """Rank 1's image path does not exist: both ranks raise the same DivergentCallError naming rank 1's unreadable
+    file, and no transformer forward ran (the Ulysses plan counted no all-to-all)."""
+    report = two_ranks["report"]["ti2v-sp2-missing_on_rank_1"]
+    errors = report["errors"]
+    assert all(e is not None and e["type"] == "DivergentCallError" for e in errors), errors
+    assert errors[0]["message"] == errors[1]["message"], "the same words on every rank"
+    assert "rank 1: 'not readable on" in errors[0]["message"] and "FileNotFoundError" in errors[0]["message"]
+    assert [rank["ulysses"].get("all_to_all", 0) for rank in report["ranks"]] == [0, 0]
+    assert [rank["vae"].get("gather", 0) for rank in report["ranks"]] == [0, 0]

@@ -1,6 +1,8 @@
 """Single-rank frames of every model family equal the matching diffusers pipeline's within 2 (uint8) for the same
 checkpoint, prompt, image and seed: non-square sizes, both schedulers (UniPC and flow matching), several step counts,
-with and without guidance. The speed plans are on (the default), so this also shows them exact for each family."""
+with and without guidance, and with LoRA adapters (one case per family; both experts of T2V-A14B, the second expert
+of I2V-A14B; diffusers loads them with ``load_lora_weights``, ``load_into_transformer_2`` for the second expert).
+The speed plans are on (the default), so this also shows them exact for each family."""
 
 from __future__ import annotations
 
@@ -8,35 +10,47 @@ import numpy as np
 import pytest
 
 from distvideo import VideoGenerator
-from family_checkpoints import DIFFUSERS_CLASS, diffusers_frames, family_checkpoint, max_abs_diff, test_image
+from family_checkpoints import (
+    DIFFUSERS_CLASS,
+    diffusers_frames,
+    family_checkpoint,
+    lora_files,
+    max_abs_diff,
+    test_image,
+)
 
 pytestmark = pytest.mark.slow
 
 PROMPT = "a red fox running through snow"
-# (family, scheduler, with an image, request). Latent rows x columns: stride 16 (Wan2.1 VAE) or 32 (TI2V-5B's).
+# (family, scheduler, with an image, request, LoRA adapters as (seed, strength, target)). Latent rows x columns:
+# stride 16 (Wan2.1 VAE) or 32 (TI2V-5B's). The A14B requests run both experts (UniPC shift 12 at 4 steps:
+# t = 1000, 973, 923 | 800; flow shift 12 at 3 steps: 1000, 960 | 857; shift 5 and boundary 0.9 likewise).
 CASES = [
-    ("wan21_i2v", "unipc", True, dict(num_frames=5, height=32, width=48, num_inference_steps=3, guidance_scale=5.0)),
-    ("wan21_i2v", "flow", True, dict(num_frames=9, height=48, width=32, num_inference_steps=2, guidance_scale=1.0)),
+    ("wan21_i2v", "unipc", True, dict(num_frames=5, height=32, width=48, num_inference_steps=3, guidance_scale=5.0),
+     []),
+    ("wan21_i2v", "flow", True, dict(num_frames=9, height=48, width=32, num_inference_steps=2, guidance_scale=1.0),
+     [(4, 0.8, "transformer")]),
     ("wan22_t2v_a14b", "unipc", False, dict(num_frames=9, height=48, width=80, num_inference_steps=4,
-                                            guidance_scale=4.0, guidance_scale_2=3.0)),
+                                            guidance_scale=4.0, guidance_scale_2=3.0), []),
     ("wan22_t2v_a14b", "flow", False, dict(num_frames=5, height=32, width=48, num_inference_steps=3,
-                                           guidance_scale=3.0)),
+                                           guidance_scale=3.0), [(1, 0.7, "transformer"), (2, 0.9, "transformer_2")]),
     ("wan22_i2v_a14b", "unipc", True, dict(num_frames=5, height=48, width=32, num_inference_steps=3,
-                                           guidance_scale=3.5, guidance_scale_2=2.0)),
+                                           guidance_scale=3.5, guidance_scale_2=2.0), []),
     ("wan22_i2v_a14b", "flow", True, dict(num_frames=5, height=32, width=48, num_inference_steps=4,
-                                          guidance_scale=5.0)),
+                                          guidance_scale=5.0), [(3, 1.0, "transformer_2")]),
     ("wan22_ti2v_5b", "unipc", False, dict(num_frames=5, height=64, width=96, num_inference_steps=3,
-                                           guidance_scale=5.0)),
+                                           guidance_scale=5.0), []),
     ("wan22_ti2v_5b", "flow", True, dict(num_frames=9, height=96, width=64, num_inference_steps=2,
-                                         guidance_scale=4.0)),
+                                         guidance_scale=4.0), []),
     ("wan22_ti2v_5b", "unipc", True, dict(num_frames=5, height=32, width=64, num_inference_steps=4,
-                                          guidance_scale=1.0)),
+                                          guidance_scale=1.0), [(6, 0.8, "transformer")]),
 ]  # fmt: skip
 
 
 def _case_id(case: tuple) -> str:
-    family, scheduler, image, req = case
-    return f"{family}-{scheduler}-{'i2v' if image else 't2v'}-{req['num_inference_steps']}steps"
+    family, scheduler, image, req, loras = case
+    lora = "-lora" if loras else ""
+    return f"{family}-{scheduler}-{'i2v' if image else 't2v'}-{req['num_inference_steps']}steps{lora}"
 
 
 def _count_forwards(gen: VideoGenerator) -> dict[str, int]:
@@ -60,15 +74,24 @@ def _forward_counts(worker) -> dict[str, int]:
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_family_matches_diffusers(tmp_path_factory, case):
-    family, scheduler, with_image, request = case
+    family, scheduler, with_image, request, loras = case
     model = family_checkpoint(tmp_path_factory, family, scheduler)
     image = test_image(tmp_path_factory) if with_image else None
+    adapters = lora_files(tmp_path_factory, model, loras)
+    kwargs = dict(negative_prompt="blurry", image=image, seed=5, save_video=False, **request)
     with VideoGenerator.from_pretrained(model, executor="inline") as gen:
         before = _count_forwards(gen)
-        res = gen.generate(PROMPT, negative_prompt="blurry", image=image, seed=5, save_video=False, **request)
+        res = gen.generate(PROMPT, **kwargs)
         after = _count_forwards(gen)
+        if adapters:
+            without = res.frames
+            for i, (path, strength, target) in enumerate(adapters):
+                gen.set_lora_adapter(f"a{i}", path, strength=strength, target=target)
+            res = gen.generate(PROMPT, **kwargs)
+            assert max_abs_diff(res.frames, without) > 10, "the adapters hardly change the video: a weak check"
     pipeline = "WanImageToVideoPipeline" if with_image else DIFFUSERS_CLASS[family]
-    ref = diffusers_frames(model, pipeline, PROMPT, negative_prompt="blurry", image=image, seed=5, **request)
+    ref = diffusers_frames(model, pipeline, PROMPT, negative_prompt="blurry", image=image, seed=5, lora=adapters,
+                           **request)  # fmt: skip
     assert res.frames.shape == (request["num_frames"], request["height"], request["width"], 3)
     assert res.frames.std() > 1.0, "flat frames would prove nothing"
     assert max_abs_diff(res.frames, ref) <= 2

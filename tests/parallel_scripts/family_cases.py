@@ -3,7 +3,10 @@
 usage: family_cases.py CASES_JSON OUT_DIR
 
 CASES_JSON holds a list of engines, each {"name", "model", "sp_size", "cfg_parallel", "requests": [{"name",
-"kwargs"}], "decode_checks": [latent shapes], "loras": [[nickname, path, strength, target]]}. Every engine is a VideoGenerator on the external executor. Rank 0
+"kwargs"}], "decode_checks": [latent shapes], "loras": [[nickname, path, strength, target]], "refusals": [{"name",
+"kwargs"}]}. A refusal is a request whose image exists on rank 0 only: every other rank passes its own path
+(OUT_DIR/node-<rank>/<name>), which does not exist; its report is the error each rank raised and the collectives
+counted meanwhile (none may run: the request is refused before any denoising). Every engine is a VideoGenerator on the external executor. Rank 0
 saves each request's frames as OUT_DIR/<engine>-<request>.npy and writes OUT_DIR/report.json with, per request and
 rank: whether the rank holds frames, the plans' collective counters, the digest of the image conditioning the rank
 computed (CLIP tokens and condition latents), its time, and the experts' swaps; and per decode check the float
@@ -106,6 +109,20 @@ def main() -> None:
                 report[key] = {"ranks": gen.collective_rpc(rank_report), "has_frames": per_rank}
                 if gen.is_output_rank:
                     np.save(out / f"{key}.npy", res.frames)
+            for refusal in case.get("refusals", []):
+                key = f"{case['name']}-{refusal['name']}"
+                gen.collective_rpc(reset_counts)
+                kwargs = dict(refusal["kwargs"])
+                if dist.get_rank() != 0:
+                    kwargs["image"] = str(out / f"node-{dist.get_rank()}" / Path(kwargs["image"]).name)
+                try:
+                    gen.generate("a red fox running through snow", save_video=False, **kwargs)
+                    error = None
+                except Exception as exc:
+                    error = {"type": type(exc).__name__, "message": str(exc)}
+                errors: list[Any] = [None] * dist.get_world_size()
+                dist.all_gather_object(errors, error)
+                report[key] = {"ranks": gen.collective_rpc(rank_report), "errors": errors}
             for i, shape in enumerate(case.get("decode_checks", [])):
                 report[f"{case['name']}-decode{i}"] = gen.collective_rpc(decode_check, args=(shape, i))
         if dist.get_rank() == 0:
