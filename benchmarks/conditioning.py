@@ -1,13 +1,14 @@
-"""The image conditioning on two ranks: every rank computing it itself (what distvideo does) against rank 0 computing
-it and broadcasting the result (the alternative), with the benchmark-sized checkpoints of benchmarks/families.py.
+"""The image conditioning on two ranks: rank 0 computing it and broadcasting the result (what distvideo does) against
+every rank computing it itself, with the benchmark-sized checkpoints of benchmarks/families.py.
 
 Two ranks of the mp executor (cfg=2, one thread each). For each family, `--repeats` alternations of:
-- every rank: a barrier, then every rank runs the pipeline's conditioning stage (Wan2.1 I2V: CLIP and the VAE
-  encode of the first-frame video; TI2V-5B: the VAE encode of the image), then a barrier: the wall time until the
-  slower rank is done;
-- broadcast: a barrier, rank 0 runs the stage while rank 1 waits, then rank 0 broadcasts the condition latents (and
-  the CLIP tokens) over gloo: the wall time, and the broadcast alone.
-Medians, and whether the ranks' own results were bit-identical (sha256).
+- every rank: a barrier, then every rank computes the conditioning (Wan2.1 I2V: CLIP and the VAE encode of the
+  first-frame video; TI2V-5B: the VAE encode of the image), then a barrier: the wall time until the slower rank is
+  done;
+- broadcast: a barrier, rank 0 computes it while rank 1 waits, then rank 0 broadcasts the condition latents (and the
+  CLIP tokens) over gloo with distvideo's broadcast_tensors: the wall time until the slower rank has them, and rank
+  0's broadcast alone.
+Medians, and whether the ranks' own results were bit-identical (sha256; what rank 1 received always is).
 
     python benchmarks/conditioning.py --repeats 5
 """
@@ -34,54 +35,46 @@ def measure(worker: Any, image: str, request: dict[str, Any], repeats: int) -> d
     import torch.distributed as dist
 
     from distvideo.config import GenerationRequest
+    from distvideo.parallel.collectives import broadcast_tensors
     from distvideo.pipelines.conditioning import pil_image, tensor_digest
 
     pipeline = worker.pipeline
     resolved = worker.model_info.resolve_request(GenerationRequest(prompt="x", image=image, **request))
-    stages = [getattr(pipeline, n) for n in ("encode_image", "condition_on_first_frame", "condition_on_image")]
-    stages = [s for s in stages if s is not None]
 
-    def batch() -> Any:
-        from distvideo.pipelines.wan22_ti2v import TokenTimestepBatch
+    def condition() -> list[torch.Tensor]:
+        """The pipeline's own computation of the conditioning, without its broadcast."""
         from distvideo.pipelines.wan_i2v import ImageBatch
 
-        cls = ImageBatch if hasattr(pipeline, "condition_on_first_frame") else TokenTimestepBatch
-        b = cls(request=resolved, image=pil_image(resolved.image)) if cls is ImageBatch else cls(request=resolved)
-        pipeline.prepare_latents(b)
-        return b
-
-    def condition(b: Any) -> list[torch.Tensor]:
         with torch.no_grad():
-            for stage in stages:
-                stage(b)
-        return [t for t in (getattr(b, "image_embeds", None), b.condition) if t is not None]
+            if not hasattr(pipeline, "first_frame_condition"):  # TI2V-5B
+                return [pipeline.image_latents(resolved)]
+            batch = ImageBatch(request=resolved, image=pil_image(resolved.image))
+            clip = [pipeline.clip_tokens(batch)] if pipeline.image_encoder is not None else []
+            return [*clip, pipeline.first_frame_condition(batch)]
 
     every, broadcast, sending = [], [], []
-    digests = [tensor_digest(t) for t in condition(batch())]  # also the warm-up
+    digests = [tensor_digest(t) for t in condition()]  # also the warm-up
     for _ in range(repeats):
-        b = batch()
         dist.barrier()
         start = time.perf_counter()
-        condition(b)
+        condition()
         dist.barrier()
         every.append(time.perf_counter() - start)
 
-        b = batch()
-        shapes = [t.shape for t in condition(batch())]  # known in advance in a real broadcast (from the request)
         dist.barrier()
         start = time.perf_counter()
-        tensors = condition(b) if worker.rank == 0 else [torch.empty(s) for s in shapes]
+        computed = condition() if worker.rank == 0 else None
         sent = time.perf_counter()
-        for t in tensors:
-            dist.broadcast(t, src=0)
+        received = broadcast_tensors(computed, src=0, device=worker.device)  # what distvideo does
         broadcast.append(time.perf_counter() - start)
         sending.append(time.perf_counter() - sent)
+        assert [tensor_digest(t) for t in received] == digests
     return {
         "every_rank_s": statistics.median(every),
         "broadcast_s": statistics.median(broadcast),
         "broadcast_only_s": statistics.median(sending),
         "digests": digests,
-        "bytes": sum(t.numel() * t.element_size() for t in condition(batch())),
+        "bytes": sum(t.numel() * t.element_size() for t in condition()),
     }
 
 
@@ -102,7 +95,8 @@ def main() -> int:
     for family, request in REQUESTS.items():
         with VideoGenerator.from_pretrained(paths[family], num_gpus=2, executor="mp", cfg_parallel=True) as gen:
             results = gen.collective_rpc(measure, args=(image, request, args.repeats))
-        slowest = {k: max(r[k] for r in results) for k in ("every_rank_s", "broadcast_s", "broadcast_only_s")}
+        slowest = {k: max(r[k] for r in results) for k in ("every_rank_s", "broadcast_s")}
+        slowest["broadcast_only_s"] = results[0]["broadcast_only_s"]  # rank 0's send (rank 1 waits for its encode)
         same = all(r["digests"] == results[0]["digests"] for r in results)
         shape = f"{request['num_frames']} x {request['height']} x {request['width']}"
         print(f"| {family} | {shape} | {slowest['every_rank_s']:.3f} | {slowest['broadcast_s']:.3f} | "

@@ -34,25 +34,34 @@ def main() -> int:
     args = parser.parse_args()
     import family_checkpoints as fc
     from distvideo import VideoGenerator
-    from test_families_parity import CASES, PROMPT
+    from test_families_parity import CASES, PROMPT, _image_as
 
     factory = _Factory(Path(args.folder))
     factory.base.mkdir(parents=True, exist_ok=True)
-    print("| family | scheduler | input | frames x height x width | steps | guidance | max abs diff |")
-    print("| --- | --- | --- | --- | ---: | --- | ---: |")
-    for family, scheduler, with_image, request in CASES:
+    print("| family | scheduler | input | frames x height x width | steps | guidance | LoRA | max abs diff |")
+    print("| --- | --- | --- | --- | ---: | --- | --- | ---: |")
+    for family, scheduler, form, request, loras in CASES:
         model = fc.family_checkpoint(factory, family, scheduler)  # type: ignore[arg-type]
-        image = fc.test_image(factory) if with_image else None  # type: ignore[arg-type]
+        image = fc.test_image(factory) if form else None  # type: ignore[arg-type]
+        adapters = fc.lora_files(factory, model, loras)  # type: ignore[arg-type]
         with VideoGenerator.from_pretrained(model, executor="inline") as gen:
-            ours = gen.generate(PROMPT, negative_prompt="blurry", image=image, seed=5, save_video=False, **request)
-        pipeline = "WanImageToVideoPipeline" if with_image else fc.DIFFUSERS_CLASS[family]
-        ref = fc.diffusers_frames(model, pipeline, PROMPT, negative_prompt="blurry", image=image, seed=5, **request)
+            for i, (path, strength, target) in enumerate(adapters):
+                gen.set_lora_adapter(f"a{i}", path, strength=strength, target=target)
+            ours = gen.generate(
+                PROMPT, negative_prompt="blurry", image=_image_as(form, image), seed=5, save_video=False, **request
+            )
+        pipeline = "WanImageToVideoPipeline" if form else fc.DIFFUSERS_CLASS[family]
+        ref = fc.diffusers_frames(
+            model, pipeline, PROMPT, negative_prompt="blurry", image=image, seed=5, lora=adapters, **request
+        )
         guidance = f"{request['guidance_scale']}" + (
             f" / {request['guidance_scale_2']}" if "guidance_scale_2" in request else ""
         )
         size = f"{request['num_frames']} x {request['height']} x {request['width']}"
-        print(f"| {family} | {scheduler} | {'image' if with_image else 'text'} | {size} | "
-              f"{request['num_inference_steps']} | {guidance} | {fc.max_abs_diff(ours.frames, ref)} |", flush=True)  # fmt: skip
+        lora = ", ".join(f"{target} {strength}" for _, strength, target in loras) or "-"
+        print(f"| {family} | {scheduler} | {f'image ({form})' if form else 'text'} | {size} | "
+              f"{request['num_inference_steps']} | {guidance} | {lora} | {fc.max_abs_diff(ours.frames, ref)} |",
+              flush=True)  # fmt: skip
     return 0
 
 

@@ -19,7 +19,9 @@ from distvideo.pipelines.experts import ExpertResidency, boundary_timestep, expe
 from distvideo.testing.lora_files import build_random_lora
 from family_checkpoints import family_checkpoint, max_abs_diff
 
-REQUEST = dict(num_frames=5, height=32, width=48, num_inference_steps=4, guidance_scale=4.0, seed=7, save_video=False)
+# UniPC with shift 12 at 2 steps: t = 999 (high-noise expert), 923 (low-noise, below 0.95 * 1000)
+REQUEST = dict(num_frames=5, height=32, width=32, num_inference_steps=2, boundary_ratio=0.95, guidance_scale=4.0,
+               seed=7, save_video=False)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -93,12 +95,10 @@ def test_offloaded_experts_give_the_same_frames_and_keep_adapters(tmp_path_facto
         runs = [gen.generate("a fox", **REQUEST) for _ in range(2)]  # the second starts on the low-noise expert
         assert all(max_abs_diff(r.frames, plain) <= 2 for r in runs)
         assert runs[0].timings["expert_swap"] >= 0 and "expert_swap" in runs[1].timings
-        assert gen.collective_rpc(lambda w: w.pipeline.residency.counts["swaps"])[0] == 3
+        assert gen.collective_rpc(lambda w: w.pipeline.residency.counts["swaps"])[0] == 3  # high->low, ->high, ->low
         gen.set_lora_adapter("high", strength=0.7)  # merged while "transformer" sits in host memory
         gen.set_lora_adapter("low", strength=0.9, target="transformer_2")
         assert max_abs_diff(gen.generate("a fox", **REQUEST).frames, with_lora) <= 2
         assert max_abs_diff(with_lora, plain) > 20, "the adapters must change the video for this to show anything"
-        gen.unmerge_lora_weights()
-        assert max_abs_diff(gen.generate("a fox", **REQUEST).frames, with_lora) <= 2
         gen.clear_lora_adapters()
         assert gen.collective_rpc(transformer_digest)[0] == base

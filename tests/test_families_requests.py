@@ -10,7 +10,7 @@ import shutil
 import numpy as np
 import pytest
 
-from distvideo import ConfigError, VideoGenerator
+from distvideo import ConfigError
 from distvideo.cli.main import main
 from distvideo.config import GenerationRequest
 from distvideo.models.registry import probe_model
@@ -162,21 +162,3 @@ def test_config_file_image_must_be_a_path(tmp_path):
     (tmp_path / "c.yaml").write_text("request:\n  image: [1, 2]\n")
     with pytest.raises(ConfigError, match=r"'request\.image' must be a file path"):
         load_config_file(tmp_path / "c.yaml")
-
-
-@pytest.mark.slow
-def test_cli_image_to_video_with_the_family_fps(tmp_path_factory, tmp_path, capsys):
-    """`distvideo generate --image` on TI2V-5B writes a video at the family's 24 fps (no --fps given)."""
-    import av
-
-    model = family_checkpoint(tmp_path_factory, "wan22_ti2v_5b")
-    out = tmp_path / "clip.mp4"
-    args = ["generate", "--model", str(model), "--prompt", "a fox", "--image", str(test_image(tmp_path_factory))]
-    args += ["--num-frames", "5", "--height", "32", "--width", "64", "--steps", "2", "--output", str(out)]
-    assert main(args) == 0, capsys.readouterr().err
-    with av.open(str(out)) as container:
-        assert container.streams.video[0].average_rate == 24
-    with VideoGenerator.from_pretrained(model, executor="inline") as gen:
-        assert gen.model_info.defaults["fps"] == 24
-        assert gen.generate("a fox", num_frames=5, height=32, width=64, num_inference_steps=1,
-                            output_path=str(tmp_path / "api.mp4")).request.fps == 24  # fmt: skip

@@ -3,8 +3,7 @@
 usage: family_cases.py CASES_JSON OUT_DIR
 
 CASES_JSON holds a list of engines, each {"name", "model", "sp_size", "cfg_parallel", "requests": [{"name",
-"kwargs"}], "decode_checks": [latent shapes], "loras": [[nickname, path, strength, target]], "refusals": [{"name",
-"kwargs"}]}. A refusal is a request whose image exists on rank 0 only: every other rank passes its own path
+"kwargs"}], "decode_checks": [latent shapes], "refusals": [{"name", "kwargs"}]}. A refusal is a request whose image exists on rank 0 only: every other rank passes its own path
 (OUT_DIR/node-<rank>/<name>), which does not exist; its report is the error each rank raised and the collectives
 counted meanwhile (none may run: the request is refused before any denoising). Every engine is a VideoGenerator on the external executor. Rank 0
 saves each request's frames as OUT_DIR/<engine>-<request>.npy and writes OUT_DIR/report.json with, per request and
@@ -97,8 +96,6 @@ def main() -> None:
                     case["model"], executor="external", sp_size=case["sp_size"], cfg_parallel=case["cfg_parallel"]
                 )
             )
-            for nickname, path, strength, target in case.get("loras", []):
-                gen.set_lora_adapter(nickname, path, strength=strength, accumulate=True, target=target)
             gen.collective_rpc(record_conditioning)
             for request in case["requests"]:
                 key = f"{case['name']}-{request['name']}"

@@ -14,6 +14,7 @@ import torch
 from distvideo.models.plans import ModulePlan
 from distvideo.models.text_padding import TextProjectionMemo
 from distvideo.parallel.cfg import cfg_parallel_noise, texts_for_branch
+from distvideo.parallel.collectives import broadcast_tensors
 from distvideo.parallel.groups import ParallelGroups
 from distvideo.parallel.layout import ParallelLayout
 from distvideo.parallel.ulysses import UlyssesPlan
@@ -111,6 +112,17 @@ class ParallelContext:
             group=self.groups.cfg,
             counts=self.counts,
         )
+
+    # -- image conditioning --------------------------------------------------------------------------------
+    def computed_once(self, compute: Callable[[], list[torch.Tensor]]) -> list[torch.Tensor]:
+        """`compute()` on rank 0 only, its tensors broadcast to every rank: the image conditioning (CLIP tokens, the
+        VAE encode of the given frame), which every rank needs whole and alike. Measured against every rank computing
+        it itself: benchmarks/conditioning.py, docs/families.md."""
+        if self.rank == 0:
+            self.counts["conditioning_computed"] += 1
+            return broadcast_tensors(compute(), src=0, device=self.device)
+        self.counts["conditioning_received"] += 1
+        return broadcast_tensors(None, src=0, device=self.device)
 
     # -- decoding ------------------------------------------------------------------------------------------
     def decode(self, latents: torch.Tensor) -> torch.Tensor | None:

@@ -7,9 +7,10 @@
 - the condition latents: the VAE's mean (no sampling) of the conditioning video, normalised with the VAE's latent
   statistics, and (Wan2.1 I2V, Wan2.2 I2V-A14B) the mask channels that mark the first frame as given.
 
-Every rank computes these itself from the same pixels with the same weights, so the results are identical on every
-rank without communication (tests/test_families_parallel.py compares their digests across ranks; docs/families.md
-has the cost against a broadcast from rank 0).
+Under a parallel layout rank 0 computes them and broadcasts the result (ParallelContext.computed_once), so every
+rank holds the same bits and the encode runs once: on the 2-core test machine that took 0.4-0.8x the wall time of
+every rank encoding at once, the ranks' encodes competing for the cores (benchmarks/conditioning.py;
+docs/families.md).
 """
 
 from __future__ import annotations

@@ -52,3 +52,10 @@ class StagedWanPipeline(WanT2VPipeline):
 
     def denoise_stage(self, control: StepControl | None) -> Callable[[WanBatch], None]:
         return lambda batch: self.denoise(batch, control)
+
+    def computed_once(self, compute: Callable[[], list[torch.Tensor]]) -> list[torch.Tensor]:
+        """Tensors every rank needs alike (the image conditioning): computed here on one rank; with several, on rank 0
+        and broadcast (bit-identical everywhere, and the other ranks do not repeat the encode)."""
+        if self.parallel is None:
+            return compute()
+        return self.parallel.computed_once(compute)

@@ -57,13 +57,17 @@ class Wan22TI2VPipeline(StagedWanPipeline):
         if req.image is None:
             batch.mask = torch.ones(batch.latents.shape, dtype=torch.float32, device=self.device)
             return
-        assert req.height is not None and req.width is not None
-        image = vae_image(pil_image(req.image), req.height, req.width, self.model.vae_scale_spatial).to(self.device)
-        batch.condition = condition_latents(self.vae, image.unsqueeze(2), self._latents_mean, self._latents_std)
+        [batch.condition] = self.computed_once(lambda: [self.image_latents(req)])  # rank 0 encodes, all receive
         _, _, frames, rows, cols = batch.latents.shape
         mask = torch.ones(1, 1, frames, rows, cols, dtype=torch.float32, device=self.device)
         mask[:, :, 0] = 0
         batch.mask = mask
+
+    def image_latents(self, req: GenerationRequest) -> torch.Tensor:
+        """(1, C, 1, h, w): the given first frame through the Wan2.2 VAE, normalised."""
+        assert req.height is not None and req.width is not None
+        image = vae_image(pil_image(req.image), req.height, req.width, self.model.vae_scale_spatial).to(self.device)
+        return condition_latents(self.vae, image.unsqueeze(2), self._latents_mean, self._latents_std)
 
     def predict_noise(self, latents: torch.Tensor, t: torch.Tensor, batch: WanBatch) -> torch.Tensor:
         assert isinstance(batch, TokenTimestepBatch) and batch.mask is not None

@@ -77,18 +77,23 @@ class WanI2VPipeline(StagedWanPipeline):
             ],
         )
 
-    # -- the image conditioning ------------------------------------------------------------------------------------
+    # -- the image conditioning (computed on rank 0 and broadcast under a parallel layout) ---------------------
     @torch.no_grad()
     def encode_image(self, batch: ImageBatch) -> None:
         """CLIP image tokens, which every block's cross-attention sees before the text (Wan2.1 I2V only)."""
-        if self.image_encoder is None:
-            return
+        if self.image_encoder is not None:
+            [batch.image_embeds] = self.computed_once(lambda: [self.clip_tokens(batch)])
+
+    def clip_tokens(self, batch: ImageBatch) -> torch.Tensor:
         tokens = clip_image_tokens(self.image_encoder, self.image_processor, batch.image, self.device)
-        batch.image_embeds = tokens.to(self.transformer.dtype)
+        return tokens.to(self.transformer.dtype)
 
     @torch.no_grad()
     def condition_on_first_frame(self, batch: ImageBatch) -> None:
         """The first frame through the VAE (followed by black frames), normalised, behind a mask marking it given."""
+        [batch.condition] = self.computed_once(lambda: [self.first_frame_condition(batch)])
+
+    def first_frame_condition(self, batch: ImageBatch) -> torch.Tensor:
         req = batch.request
         assert req.num_frames is not None and req.height is not None and req.width is not None
         image = vae_image(batch.image, req.height, req.width, self.model.vae_scale_spatial).to(self.device)
@@ -97,7 +102,7 @@ class WanI2VPipeline(StagedWanPipeline):
         )
         _, _, _, rows, cols = self.model.latent_shape(req)
         mask = first_frame_mask(req.num_frames, rows, cols, self.model.vae_scale_temporal).to(latents.device)
-        batch.condition = torch.concat([mask, latents], dim=1)
+        return torch.concat([mask, latents], dim=1)
 
     # -- one step --------------------------------------------------------------------------------------------------
     def denoiser_at(self, t: torch.Tensor, batch: WanBatch) -> tuple[nn.Module, float]:
