@@ -8,9 +8,8 @@
   statistics, and (Wan2.1 I2V, Wan2.2 I2V-A14B) the mask channels that mark the first frame as given.
 
 Under a parallel layout rank 0 computes them and broadcasts the result (ParallelContext.computed_once), so every
-rank holds the same bits and the encode runs once: on the 2-core test machine that took 0.4-0.8x the wall time of
-every rank encoding at once, the ranks' encodes competing for the cores (benchmarks/conditioning.py;
-docs/families.md).
+rank holds the same bits and the encode runs once: on the 2-vCPU test machine that took 0.44-0.84x the wall time of
+every rank encoding at once, whose encodes compete for the cores (benchmarks/conditioning.py; docs/families.md).
 """
 
 from __future__ import annotations
