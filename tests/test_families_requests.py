@@ -59,6 +59,15 @@ def test_unknown_combination_is_refused_naming_the_known_ones(tmp_path_factory, 
         probe_model(copy)
 
 
+def test_first_last_frame_checkpoint_is_refused(tmp_path_factory, tmp_path):
+    copy = tmp_path / "flf2v"
+    shutil.copytree(family_checkpoint(tmp_path_factory, "wan21_i2v"), copy)
+    config = json.loads((copy / "transformer" / "config.json").read_text())
+    (copy / "transformer" / "config.json").write_text(json.dumps({**config, "pos_embed_seq_len": 514}))
+    with pytest.raises(ConfigError, match=r"Wan2\.1 FLF2V"):
+        probe_model(copy)
+
+
 def test_image_to_a_text_only_model_names_the_family(embedded_model, tmp_path_factory, no_weights):
     info = probe_model(embedded_model)
     image = test_image(tmp_path_factory)

@@ -307,6 +307,11 @@ def probe_model(path: str | Path) -> ModelInfo:
     temporal = vae_cfg.get("temperal_downsample", [False, True, True])
     scale_temporal = int(vae_cfg.get("scale_factor_temporal", 2 ** sum(bool(x) for x in temporal)))
     scale_spatial = int(vae_cfg.get("scale_factor_spatial", 2 ** len(temporal)))
+    if family.image_encoder and tr_cfgs[0].get("pos_embed_seq_len"):
+        raise ConfigError(
+            f"--model {path}: a Wan2.1 FLF2V checkpoint (first and last frame: the transformer's pos_embed_seq_len is "
+            f"set), which distvideo does not run yet; it runs {family.name} (one image)"
+        )
     patch = tuple(int(x) for x in tr_cfgs[0].get("patch_size", (1, 2, 2)))
     defaults = _family_defaults(family, index)
     if (root / DEFAULTS_FILE).is_file():
