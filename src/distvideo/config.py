@@ -39,23 +39,34 @@ def _option(help: str, default: Any = None, **cli: Any) -> Any:
     return field(default=default, metadata={"help": help, **cli})
 
 
+LORA_TARGETS = ("transformer", "transformer_2")
+
+
 @dataclass
 class LoraSpec:
     path: str
     strength: float = 1.0
+    target: str = "transformer"  # the transformer it changes; "transformer_2": Wan2.2 A14B's low-noise expert
 
     @classmethod
     def parse(cls, text: str) -> LoraSpec:
-        """`PATH[:STRENGTH]`; a trailing `:number` is the strength (paths may contain ':')."""
+        """`[TARGET=]PATH[:STRENGTH]`; a trailing `:number` is the strength (paths may contain ':'), a leading
+        `transformer_2=` (or `transformer=`) the transformer the adapter changes."""
+        target = "transformer"
+        for name in LORA_TARGETS:
+            if text.startswith(f"{name}="):
+                target, text = name, text[len(name) + 1 :]
         path, sep, tail = text.rpartition(":")
         if sep and path:
             try:
-                return cls(path=path, strength=float(tail))
+                return cls(path=path, strength=float(tail), target=target)
             except ValueError:
                 pass
         if not text:
-            raise ConfigError("--lora: empty value; expected PATH or PATH:STRENGTH, e.g. style.safetensors:0.8")
-        return cls(path=text, strength=1.0)
+            raise ConfigError(
+                "--lora: empty value; expected [transformer_2=]PATH[:STRENGTH], e.g. style.safetensors:0.8"
+            )
+        return cls(path=text, strength=1.0, target=target)
 
 
 @dataclass
@@ -63,7 +74,10 @@ class EngineConfig:
     """How the engine runs. Fields left None take their default when the engine is resolved (`with_defaults`):
     the environment's (distvideo.envs) for the switches, the launcher's or the machine's for the rest."""
 
-    model: str | None = _option("diffusers-format checkpoint folder (default: the embedded tiny model)")
+    model: str | None = _option(
+        "diffusers-format checkpoint folder, or a Hugging Face repo id resolved through the hub cache (default: the "
+        "embedded tiny model)"
+    )
     num_gpus: int | None = _option("number of ranks (default 1, or the launcher's world size)")
     executor: str = _option("how ranks exist", "auto", choices=EXECUTORS)
     sp_size: int | None = _option("sequence-parallel degree (default: automatic)")
@@ -78,7 +92,12 @@ class EngineConfig:
     dtype: str | None = _option("transformer and text-encoder dtype (default: bfloat16 on GPU)", choices=DTYPES)
     lora: list[LoraSpec] = field(
         default_factory=list,
-        metadata={"help": "LoRA adapter PATH[:STRENGTH]; repeat to stack", "parse": "lora", "metavar": "PATH[:S]"},
+        metadata={
+            "help": "LoRA adapter PATH[:STRENGTH]; repeat to stack; transformer_2=PATH[:S] for Wan2.2 A14B's low-noise "
+            "expert",
+            "parse": "lora",
+            "metavar": "[T=]PATH[:S]",
+        },
     )
     lora_cache_mb: int | None = _option(
         "MiB of cached LoRA adapters per rank; the least recently used inactive ones go first (default 1024)"
@@ -129,6 +148,10 @@ class EngineConfig:
         for spec in self.lora:
             if not 0.0 <= abs(spec.strength) < 1e6:
                 raise ConfigError(f"lora strength {spec.strength} for {spec.path} is not a finite number")
+            if spec.target not in LORA_TARGETS:
+                raise ConfigError(
+                    f"lora target {spec.target!r} for {spec.path}: choose one of {', '.join(LORA_TARGETS)}"
+                )
         if self.log_level is not None and (
             not isinstance(self.log_level, str) or self.log_level.upper() not in LOG_LEVELS
         ):
@@ -137,15 +160,23 @@ class EngineConfig:
 
 @dataclass
 class GenerationRequest:
-    """One text-to-video request. None means "the model's default" (see models.registry)."""
+    """One text- or image-to-video request. None means "the model's default" (see models.registry).
+
+    `image` (image-to-video models): a file path, a PIL image or a uint8 array (H, W, 3); the model's request
+    resolution reads it into a uint8 RGB array. `guidance_scale_2` and `boundary_ratio` apply to two-expert models
+    (Wan2.2 A14B): the low-noise expert's guidance scale, and the fraction of the training timesteps above which the
+    high-noise expert runs."""
 
     prompt: str = ""
     negative_prompt: str | None = None
+    image: Any = None
     num_frames: int | None = None
     height: int | None = None
     width: int | None = None
     num_inference_steps: int | None = None
     guidance_scale: float | None = None
+    guidance_scale_2: float | None = None
+    boundary_ratio: float | None = None
     seed: int = 0
     fps: int = 16
     output_path: str | None = None
@@ -172,13 +203,25 @@ class GenerationRequest:
         _check_int("height", self.height, minimum=1, maximum=MAX_SIDE)
         _check_int("width", self.width, minimum=1, maximum=MAX_SIDE)
         _check_int("num_inference_steps", self.num_inference_steps, minimum=1, maximum=MAX_STEPS, flag="--steps")
-        if self.guidance_scale is not None:
-            if isinstance(self.guidance_scale, bool) or not isinstance(self.guidance_scale, (int, float)):
-                raise ConfigError(f"guidance_scale: expected a number, got {self.guidance_scale!r}")
-            if not (0.0 <= float(self.guidance_scale) < 1e4):
+        for name in ("guidance_scale", "guidance_scale_2"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(f"{name}: expected a number, got {value!r}")
+            if not (0.0 <= float(value) < 1e4):
+                raise ConfigError(f"{name}={value} must be >= 0 (1 or less turns classifier-free guidance off)")
+        if self.boundary_ratio is not None:
+            ratio = self.boundary_ratio
+            if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= float(ratio) <= 1.0:
                 raise ConfigError(
-                    f"guidance_scale={self.guidance_scale} must be >= 0 (1 or less turns classifier-free guidance off)"
+                    f"boundary_ratio={ratio!r} must be a number from 0 to 1 (the fraction of the training timesteps "
+                    "above which the high-noise expert runs; Wan2.2 T2V-A14B uses 0.875)"
                 )
+        if self.image is not None:
+            from distvideo.media import check_image_type
+
+            check_image_type(self.image)
         for name in ("seed", "fps", "max_sequence_length"):
             if getattr(self, name) is None:
                 raise ConfigError(f"{name}: expected an integer, got None")
@@ -204,8 +247,13 @@ class GenerationRequest:
 
     def digest_fields(self) -> dict[str, Any]:
         """The fields every rank must agree on (all of them: the output path only matters on rank 0,
-        but a difference there is still a sign of a divergent script)."""
-        return dataclasses.asdict(self)
+        but a difference there is still a sign of a divergent script). The image is compared by its content (a file
+        by its bytes, so each node may hold its own copy), never by its path or object."""
+        from distvideo.media import image_fingerprint
+
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        fields["image"] = image_fingerprint(self.image)
+        return fields
 
 
 def _default(value: bool | None, default: Any) -> bool:
@@ -290,6 +338,11 @@ def _check_section(path: str | Path, section: str, cls: type, values: dict[str, 
         if section == "engine" and key == "lora":
             checked[key] = _parse_lora_list(path, dotted, value)
             continue
+        if section == "request" and key == "image":  # a file path in a config file (the API also takes arrays)
+            if value is not None and not isinstance(value, str):
+                raise ConfigError(f"--config {path}: '{dotted}' must be a file path, got {value!r}")
+            checked[key] = value
+            continue
         checked[key] = _coerce(path, dotted, hints[key], value)
     return checked
 
@@ -300,14 +353,21 @@ def _parse_lora_list(path: str | Path, dotted: str, value: Any) -> list[LoraSpec
     for i, item in enumerate(items):
         if isinstance(item, str):
             specs.append(LoraSpec.parse(item))
-        elif isinstance(item, dict) and set(item) <= {"path", "strength"} and isinstance(item.get("path"), str):
+        elif (
+            isinstance(item, dict) and set(item) <= {"path", "strength", "target"} and isinstance(item.get("path"), str)
+        ):
             strength = item.get("strength", 1.0)
             if isinstance(strength, bool) or not isinstance(strength, (int, float)):
                 raise ConfigError(f"--config {path}: '{dotted}[{i}].strength' must be a number, got {strength!r}")
-            specs.append(LoraSpec(path=item["path"], strength=float(strength)))
+            target = item.get("target", "transformer")
+            if target not in LORA_TARGETS:
+                raise ConfigError(
+                    f"--config {path}: '{dotted}[{i}].target' must be one of {LORA_TARGETS}, got {target!r}"
+                )
+            specs.append(LoraSpec(path=item["path"], strength=float(strength), target=target))
         else:
             raise ConfigError(
-                f"--config {path}: '{dotted}[{i}]' must be 'PATH[:STRENGTH]' or {{path: ..., strength: ...}}, "
+                f"--config {path}: '{dotted}[{i}]' must be 'PATH[:STRENGTH]' or {{path: ..., strength: ..., target: ...}}, "
                 f"got {item!r}"
             )
     return specs

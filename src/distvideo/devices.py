@@ -46,13 +46,20 @@ def select_device(requested: str | None, local_rank: int) -> torch.device:
 
 
 def component_dtypes(device: torch.device, dtype: str | None) -> dict[str, torch.dtype]:
-    """float32 on CPU; on GPUs bfloat16 for the transformer and text encoder and float32 for the VAE
-    (Wan's VAE is sensitive to reduced precision), unless `dtype` says otherwise."""
+    """float32 on CPU; on GPUs bfloat16 for the transformers and text encoder and float32 for the VAE
+    (Wan's VAE is sensitive to reduced precision) and the CLIP image encoder (as diffusers documents for Wan I2V),
+    unless `dtype` says otherwise (the transformers and the text encoder)."""
     if dtype is not None:
         main = getattr(torch, dtype)
     else:
         main = torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"transformer": main, "text_encoder": main, "vae": torch.float32}
+    return {
+        "transformer": main,
+        "transformer_2": main,
+        "text_encoder": main,
+        "vae": torch.float32,
+        "image_encoder": torch.float32,
+    }
 
 
 def reset_peak_memory(device: torch.device) -> str:

@@ -125,13 +125,16 @@ class VideoGenerator:
         prompt: str,
         *,
         negative_prompt: str | None = None,
+        image: Any = None,
         num_frames: int | None = None,
         height: int | None = None,
         width: int | None = None,
         num_inference_steps: int | None = None,
         guidance_scale: float | None = None,
+        guidance_scale_2: float | None = None,
+        boundary_ratio: float | None = None,
         seed: int = 0,
-        fps: int = 16,
+        fps: int | None = None,
         output_path: str | None = None,
         save_video: bool = True,
         return_frames: bool = True,
@@ -139,19 +142,24 @@ class VideoGenerator:
         request_timeout: float | None = None,
         on_progress: Callable[[int, int], None] | None = None,
     ) -> GenerationResult:
-        """Generate one video. `request_timeout` (seconds): the request stops at the next denoising step after it on
-        every rank and raises GenerationTimeout; `on_progress(done, total)` is called in this process after every
-        denoising step (under a launcher: on every rank). `cancel()` from another thread stops it."""
+        """Generate one video. `image` (image-to-video models): a file path, a PIL image or a uint8 array (H, W, 3).
+        Fields left None take the model's defaults (`fps`: the family's frame rate, 16 for Wan2.1, 24 for Wan2.2
+        TI2V-5B). `request_timeout` (seconds): the request stops at the next denoising step after it on every rank
+        and raises GenerationTimeout; `on_progress(done, total)` is called in this process after every denoising
+        step (under a launcher: on every rank). `cancel()` from another thread stops it."""
         request = GenerationRequest(
             prompt=prompt,
             negative_prompt=negative_prompt,
+            image=image,
             num_frames=num_frames,
             height=height,
             width=width,
             num_inference_steps=num_inference_steps,
             guidance_scale=guidance_scale,
+            guidance_scale_2=guidance_scale_2,
+            boundary_ratio=boundary_ratio,
             seed=seed,
-            fps=fps,
+            fps=fps if fps is not None else int(self.model_info.defaults.get("fps", 16)),
             output_path=output_path,
             save_video=save_video,
             return_frames=return_frames,
@@ -178,6 +186,7 @@ class VideoGenerator:
         that holds them); a failed item is a result with its error, the batch goes on (docs/batch.md)."""
         from distvideo.batch import plan_batch, run_batch
 
+        defaults.setdefault("fps", int(self.model_info.defaults.get("fps", 16)))  # the family's frame rate
         template = GenerationRequest(prompt="-", **defaults)  # the item's fields go on top
         plan = plan_batch(items, self.model_info, folder=output_dir, defaults=template, batch_seed=batch_seed)
         show = bool(self.config.progress) if progress is None else progress
@@ -254,14 +263,22 @@ class VideoGenerator:
 
     # -- LoRA (distvideo.lora; docs/lora.md) ----------------------------------------------------
     def set_lora_adapter(
-        self, nickname: str, path: str | Path | None = None, strength: float = 1.0, accumulate: bool = False
+        self,
+        nickname: str,
+        path: str | Path | None = None,
+        strength: float = 1.0,
+        accumulate: bool = False,
+        *,
+        target: str = "transformer",
     ) -> None:
         """Load (and cache under `nickname`) a LoRA file, or switch to a cached one with path=None, and activate it
         merged into the weights: on top of the active adapters with accumulate=True, else replacing them. Every
-        rank loads and checks it first; on any failure no rank changes its weights and all raise the same error."""
+        rank loads and checks it first; on any failure no rank changes its weights and all raise the same error.
+        `target`: the transformer it changes ("transformer_2": the low-noise expert of Wan2.2 A14B, as diffusers'
+        ``load_into_transformer_2``); each transformer has its own active adapters."""
         from distvideo.lora.control import set_lora_adapter
 
-        set_lora_adapter(self.executor, nickname, path, strength, accumulate)
+        set_lora_adapter(self.executor, nickname, path, strength, accumulate, target)
 
     def unmerge_lora_weights(self) -> None:
         """Restore the exact base weights; the active adapters keep applying on the fly."""
@@ -289,13 +306,14 @@ class VideoGenerator:
         clear_adapters(self.executor)
 
     def _apply_lora_specs(self, specs: list[LoraSpec]) -> None:
-        """--lora / engine.lora: the first adapter replaces, the following ones stack; nicknames are file stems."""
+        """--lora / engine.lora: the first adapter replaces, the following ones stack (per target transformer);
+        nicknames are file stems."""
         taken: set[str] = set()
         for i, spec in enumerate(specs):
             stem = Path(spec.path).stem or "lora"
             nickname = stem if stem not in taken else f"{stem}#{i}"
             taken.add(nickname)
-            self.set_lora_adapter(nickname, spec.path, strength=spec.strength, accumulate=i > 0)
+            self.set_lora_adapter(nickname, spec.path, strength=spec.strength, accumulate=i > 0, target=spec.target)
 
     # -- life cycle ------------------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -123,7 +123,7 @@ class Worker:
         self.process_group_initialized = False
         self.cpu_group: Any = None  # gloo group for control messages (the default group on CPU)
         self.parallel: ParallelContext | None = None  # when world_size > 1
-        self.lora: LoraState | None = None  # this rank's adapters (distvideo.lora.rank), created on first use
+        self.lora: dict[str, LoraState] = {}  # this rank's adapters per transformer (distvideo.lora.rank)
         self._undo_plans: Callable[[], None] | None = None
 
     @property
@@ -186,7 +186,11 @@ class Worker:
             component_dtypes(self.device, self.config.dtype),
             allow_pickle_weights=bool(self.config.allow_pickle_weights),
         )
-        plans = [*(self.parallel.plans() if self.parallel is not None else []), *speed_plans(self.config)]
+        transformers = model.family.transformers
+        plans = [
+            *(self.parallel.plans(transformers) if self.parallel is not None else []),
+            *speed_plans(self.config, model),
+        ]
         self._undo_plans = apply_plans(components, plans)
         pipeline_cls = PIPELINES[model.family.pipeline]
         self.pipeline = pipeline_cls(
@@ -205,7 +209,7 @@ class Worker:
         self.pipeline = None
         self.cpu_group = None
         self.parallel = None
-        self.lora = None
+        self.lora = {}
         self._undo_plans = None
         if self.process_group_initialized and torch.distributed.is_initialized():
             if not broken:

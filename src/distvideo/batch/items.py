@@ -14,6 +14,7 @@ from typing import Any
 
 from distvideo.config import GenerationRequest
 from distvideo.errors import ConfigError
+from distvideo.media import image_fingerprint
 from distvideo.models.registry import ModelInfo
 
 #: the fields an item may set (JSONL keys, generate_batch mappings); `output` names its video file in the folder
@@ -26,6 +27,8 @@ ITEM_FIELDS = (
     "width",
     "num_inference_steps",
     "guidance_scale",
+    "guidance_scale_2",
+    "image",
     "fps",
     "output",
 )
@@ -134,6 +137,7 @@ def _request_for(
 
 
 def fingerprint(request: GenerationRequest) -> str:
-    """sha256 of what decides the item's video."""
+    """sha256 of what decides the item's video (an image by the sha256 of its pixels or file)."""
     decided = {name: getattr(request, name) for name in DECIDING_FIELDS}
+    decided["image"] = image_fingerprint(request.image)
     return hashlib.sha256(json.dumps(decided, sort_keys=True).encode()).hexdigest()

@@ -21,6 +21,7 @@ class DiffusersSpec:
     device: str
     dtypes: dict[str, str]  # component -> torch dtype name, as the distvideo rank uses
     threads: int
+    pipeline: str = "WanPipeline"  # the diffusers class: WanImageToVideoPipeline for requests with an image
 
 
 class _DiffusersTimer:
@@ -35,7 +36,7 @@ class _DiffusersTimer:
         import diffusers
         import torch
         import transformers
-        from diffusers import AutoencoderKLWan, WanPipeline
+        from diffusers import AutoencoderKLWan
 
         for library in (diffusers, transformers):
             library.utils.logging.set_verbosity_error()
@@ -45,8 +46,12 @@ class _DiffusersTimer:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # torch_dtype -> dtype rename; older diffusers need it
             vae = AutoencoderKLWan.from_pretrained(spec.model, subfolder="vae", torch_dtype=dtypes["vae"])
-            pipe = WanPipeline.from_pretrained(spec.model, vae=vae, torch_dtype=dtypes["transformer"])
+            pipe = getattr(diffusers, spec.pipeline).from_pretrained(
+                spec.model, vae=vae, torch_dtype=dtypes["transformer"]
+            )
         pipe.text_encoder.to(dtypes["text_encoder"])
+        if getattr(pipe, "image_encoder", None) is not None:
+            pipe.image_encoder.to(dtypes.get("image_encoder", dtypes["vae"]))
         pipe.to(self.device)
         pipe.set_progress_bar_config(disable=True)
         self.pipe = pipe
@@ -54,7 +59,9 @@ class _DiffusersTimer:
         self.forwards = 0
         self._wrap(pipe, "encode_prompt", "text_encoding")
         self._wrap(pipe.vae, "decode", "decoding")
-        pipe.transformer.register_forward_pre_hook(self._on_transformer_forward)
+        for expert in (pipe.transformer, getattr(pipe, "transformer_2", None)):
+            if expert is not None:
+                expert.register_forward_pre_hook(self._on_transformer_forward)
 
     def _now(self) -> float:
         if self.device.type == "cuda":
@@ -84,10 +91,20 @@ class _DiffusersTimer:
         import torch
 
         self.marks, self.forwards = {}, 0
+        family_kwargs: dict[str, Any] = {}
+        if request.image is not None:
+            from PIL import Image
+
+            family_kwargs["image"] = Image.fromarray(np.asarray(request.image))
+        if request.guidance_scale_2 is not None:
+            family_kwargs["guidance_scale_2"] = request.guidance_scale_2
+        if request.boundary_ratio is not None:
+            self.pipe.register_to_config(boundary_ratio=request.boundary_ratio)
         metric = reset_peak_memory(self.device)
         start = self._now()
         video = self.pipe(
             prompt=request.prompt,
+            **family_kwargs,
             negative_prompt=request.negative_prompt,
             num_frames=request.num_frames,
             height=request.height,

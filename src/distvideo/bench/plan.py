@@ -94,8 +94,16 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
     except (OSError, json.JSONDecodeError) as exc:
         raise ConfigError(f"--model {info.path}: cannot read transformer/config.json ({exc})") from None
     latent_shape = info.latent_shape(request)
+    # the transformer's input: the noise latents, with the condition channels of Wan2.1 I2V / Wan2.2 I2V-A14B
+    input_shape = (*latent_shape[:1], int(tr_config.get("in_channels", latent_shape[1])), *latent_shape[2:])
     try:
-        breakdown = wan_transformer_flops_breakdown(tr_config, latent_shape, request.max_sequence_length)
+        breakdown = wan_transformer_flops_breakdown(
+            tr_config,
+            input_shape,
+            request.max_sequence_length,
+            image_len=_clip_tokens(info.path) if info.family.image_encoder else 0,
+            per_token_timesteps=info.family.expand_timesteps,
+        )
     except ValueError as exc:
         raise ConfigError(f"--model {info.path}: {exc}") from None
     return BenchPlan(
@@ -110,3 +118,12 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
         flops_per_forward=sum(breakdown.values()),
         flops_breakdown=breakdown,
     )
+
+
+def _clip_tokens(model: Path) -> int:
+    """Image tokens of the checkpoint's CLIP vision encoder: one per patch of its input, plus the class token."""
+    try:
+        config = json.loads((model / "image_encoder" / "config.json").read_text())
+        return (int(config["image_size"]) // int(config["patch_size"])) ** 2 + 1
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError(f"--model {model}: cannot read image_encoder/config.json ({exc})") from None

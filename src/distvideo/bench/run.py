@@ -88,8 +88,11 @@ def run_bench(
         else:
             first = rank_envs[0]
             baseline = started or DiffusersBaseline()
+            pipeline = "WanImageToVideoPipeline" if request.image is not None else "WanPipeline"
             baseline.load(
-                DiffusersSpec(str(plan.engine.config.model), first["device"], first["dtypes"], first["threads"])
+                DiffusersSpec(
+                    str(plan.engine.config.model), first["device"], first["dtypes"], first["threads"], pipeline
+                )
             )
     if started is not None and baseline is not started:
         started.close()

@@ -21,13 +21,16 @@ from distvideo.errors import ConfigError
 REQUEST_FLAGS: dict[str, dict[str, Any]] = {
     "prompt": {"help": "what the video shows"},
     "negative_prompt": {"help": "what to steer away from (default: empty)"},
+    "image": {"help": "first frame of an image-to-video model (an image file)", "parse": "path", "metavar": "PATH"},
     "num_frames": {"help": "frames (for Wan: of the form 4k+1)"},
     "height": {"help": "pixels, a multiple of the model's spatial stride"},
     "width": {"help": "pixels, a multiple of the model's spatial stride"},
     "num_inference_steps": {"help": "denoising steps", "flag": "--steps"},
     "guidance_scale": {"help": "CFG scale (<= 1 turns it off)"},
+    "guidance_scale_2": {"help": "CFG scale of the low-noise expert (Wan2.2 A14B; default: the model's)"},
+    "boundary_ratio": {"help": "switch to the low-noise expert below this fraction of the timesteps (Wan2.2 A14B)"},
     "seed": {"help": "noise seed (default 0)"},
-    "fps": {"help": "frames per second of the saved video (default 16)"},
+    "fps": {"help": "frames per second of the saved video (default: the model's, 16 for Wan2.1)"},
     "output_path": {"help": "a .mp4 file, or a folder (default: outputs/)", "flag": "--output"},
     "request_timeout": {"help": "seconds; the request stops at the next denoising step after it", "parse": "seconds"},
 }
@@ -65,7 +68,9 @@ def _add_field(parser: argparse.ArgumentParser, f: dataclasses.Field[Any], hint:
     elif meta.get("parse") == "lora":
         kwargs.update(action="append", type=_lora, metavar=meta.get("metavar"))
     else:
-        kwargs["type"] = _seconds if meta.get("parse") == "seconds" else base
+        kwargs["type"] = {"seconds": _seconds, "path": str}.get(meta.get("parse", ""), base)
+        if "metavar" in meta:
+            kwargs["metavar"] = meta["metavar"]
         if "choices" in meta:
             kwargs["choices"] = meta["choices"]
             if f.name == "log_level":
@@ -90,6 +95,15 @@ def add_request_arguments(parser: argparse.ArgumentParser, defaults: dict[str, A
         _add_field(parser, fields[name], hints[name], meta)
     if defaults:
         parser.set_defaults(**defaults)
+
+
+def request_fields_given(args: argparse.Namespace) -> set[str]:
+    """The GenerationRequest fields set by a flag or by the config file's request section (the rest take the model's
+    defaults, `fps` included)."""
+    given = {name for name in REQUEST_FLAGS if getattr(args, name, None) is not None}
+    if getattr(args, "config", None):
+        given |= set(load_config_file(args.config)["request"])
+    return given
 
 
 def engine_config_from_args(args: argparse.Namespace) -> tuple[EngineConfig, dict[str, Any]]:

@@ -13,6 +13,7 @@ from distvideo.errors import ConfigError
 from distvideo.executors.base import Executor
 from distvideo.launch import LaunchEnv, launcher_rank_present, read_launch_environ, resolve_launch_env
 from distvideo.models.embedded import embedded_model_path
+from distvideo.models.hub import resolve_model
 from distvideo.models.loading import verify_component_files
 from distvideo.models.registry import probe_model
 from distvideo.parallel.layout import resolve_layout
@@ -49,6 +50,8 @@ def resolve_engine(config: EngineConfig, environ: Mapping[str, str] | None = Non
     config.validate()
     if config.model is None:
         config = dataclasses.replace(config, model=str(embedded_model_path()))
+    else:  # a Hugging Face repo id becomes its snapshot folder in the hub cache (downloaded once per node if missing)
+        config = dataclasses.replace(config, model=resolve_model(str(config.model)))
     model = probe_model(str(config.model))
     verify_component_files(model, allow_pickle_weights=bool(config.allow_pickle_weights))
     environ = read_launch_environ() if environ is None else environ

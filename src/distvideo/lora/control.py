@@ -40,11 +40,25 @@ def check_arguments(nickname: Any, path: Any, strength: Any, accumulate: Any) ->
     return nickname, resolved, float(strength), accumulate
 
 
+def check_target(nickname: Any, target: Any) -> None:
+    if target not in on_rank.TARGETS:
+        raise LoraError(
+            f"set_lora_adapter({nickname!r}): target must be one of {', '.join(on_rank.TARGETS)} (transformer_2: "
+            f"Wan2.2 A14B's low-noise expert), got {target!r}"
+        )
+
+
 def set_lora_adapter(
-    executor: LoraExecutor, nickname: str, path: str | os.PathLike[str] | None, strength: float, accumulate: bool
+    executor: LoraExecutor,
+    nickname: str,
+    path: str | os.PathLike[str] | None,
+    strength: float,
+    accumulate: bool,
+    target: str = "transformer",
 ) -> None:
     try:
         checked, invalid = check_arguments(nickname, path, strength, accumulate), None
+        check_target(nickname, target)
     except LoraError as exc:
         checked, invalid = None, exc
     if checked is not None:
@@ -59,15 +73,18 @@ def set_lora_adapter(
             "nickname": nickname,
             "strength": strength,
             "accumulate": accumulate,
+            "target": target,
             "loads_file": path is not None,
             "invalid_arguments": None if invalid is None else str(invalid),
         },
     )
     if invalid is not None:
         raise invalid
-    what = f"set_lora_adapter({nickname!r})"
+    what = f"set_lora_adapter({nickname!r})" if target == "transformer" else f"set_lora_adapter({nickname!r}, {target})"
     try:
-        described = executor.collective_rpc(on_rank.prepare_adapter, args=(nickname, resolved, strength, accumulate))
+        described = executor.collective_rpc(
+            on_rank.prepare_adapter, args=(nickname, resolved, strength, accumulate, target)
+        )
     except Exception as exc:
         _abort(executor)
         user_error = _user_error(exc, what, executor.world_size)
@@ -81,11 +98,14 @@ def set_lora_adapter(
         lines.append("Give every rank the same adapter file (the same bytes; the paths may differ).")
         raise LoraError("\n".join(lines))
     state = _transition(executor, on_rank.commit_adapter, what)
+    if target != "transformer":
+        state = state[target]
     if executor.is_output_rank:
         d = described[0]
         logger.info(
-            "LoRA %r active at strength %g (%d layers, rank %d, %s)%s: %s",
+            "LoRA %r active%s at strength %g (%d layers, rank %d, %s)%s: %s",
             nickname,
+            "" if target == "transformer" else f" on {target}",
             strength,
             d["layers"],
             d["rank"],

@@ -139,6 +139,12 @@ class _OnTheFly:
 
     def __call__(self, module: nn.Module, inputs: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
         x = inputs[0].to(torch.float32)
+        if self.terms and _term_device(self.terms[0]) != x.device:  # the layer moved (an expert swapped on CUDA)
+            device = x.device
+            self.terms = [
+                _Term(_to(t.down, device), _to(t.up, device), _to(t.diff, device), _to(t.bias, device), t.scale)
+                for t in self.terms
+            ]
         extra: torch.Tensor | None = None
         for t in self.terms:
             part = F.linear(F.linear(x, t.down), t.up) if t.down is not None and t.up is not None else None
@@ -151,6 +157,15 @@ class _OnTheFly:
             part = part * t.scale
             extra = part if extra is None else extra + part
         return output if extra is None else output + extra.to(output.dtype)
+
+
+def _term_device(term: _Term) -> torch.device | None:
+    first = next((v for v in (term.down, term.up, term.diff, term.bias) if v is not None), None)
+    return first.device if first is not None else None
+
+
+def _to(x: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return x.to(device) if x is not None else None
 
 
 @dataclass
@@ -262,6 +277,11 @@ class LoraState:
             self._restore_state(undo)
             raise
         self._undo = undo
+
+    def forget_undo(self) -> None:
+        """Drop what `rollback` would undo: a transition on another model of the same worker is about to happen, and
+        a rollback after it must not undo an older change of this one."""
+        self._undo = None
 
     def rollback(self) -> None:
         """Undo the last transition (after it failed on another rank); a no-op when there is none."""

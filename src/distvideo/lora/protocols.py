@@ -29,8 +29,8 @@ class LoraExecutor(Protocol):
 
 class LoraWorker(Protocol):
     """One rank as the rank's side of a LoRA change sees it (distvideo.worker.Worker): the loaded pipeline (its
-    ``transformer``) and the rank's LoRA state."""
+    ``transformer``, and ``transformer_2`` when it has two experts) and the rank's LoRA state per transformer."""
 
     pipeline: Any
-    lora: LoraState | None
+    lora: dict[str, LoraState]
     config: Any  # distvideo.config.EngineConfig: lora_cache_mb

@@ -8,6 +8,8 @@ text-projection memo, the banded VAE decode) from the parallel context. The work
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -16,6 +18,9 @@ from torch import nn
 
 from distvideo.config import EngineConfig
 from distvideo.models import compat
+from distvideo.models.registry import ModelInfo
+
+logger = logging.getLogger(__name__)
 
 Undo = Callable[[], None]
 
@@ -40,16 +45,31 @@ class CpuKernelsPlan:
         return use_cpu_kernels(module)
 
 
-def speed_plans(config: EngineConfig) -> list[ModulePlan]:
-    """The exact speed plans the config turns on (its switches resolved: EngineConfig.with_defaults)."""
+def speed_plans(config: EngineConfig, model: ModelInfo | None = None) -> list[ModulePlan]:
+    """The exact speed plans the config turns on (its switches resolved: EngineConfig.with_defaults), for every
+    denoising transformer of the model's family (Wan2.1 T2V's one when `model` is None). A plan not shown exact for
+    a family is left out of its list, with the reason logged once."""
     from distvideo.models.text_padding import TextPaddingPlan
 
+    transformers = model.family.transformers if model is not None else ("transformer",)
     plans: list[ModulePlan] = []
     if config.compact_text_padding:
-        plans.append(TextPaddingPlan())
+        if model is not None and model.family.image_encoder:
+            _log_once(
+                f"compact text padding is off for {model.family.name}: its cross-attention attends to CLIP image "
+                "tokens in front of the text, which the plan's processor does not handle (it compacts text-only "
+                "cross-attention)"
+            )
+        else:
+            plans += [TextPaddingPlan(component=name) for name in transformers]
     if config.cpu_kernels:
-        plans += [CpuKernelsPlan("vae"), CpuKernelsPlan("transformer")]
+        plans += [CpuKernelsPlan("vae"), *(CpuKernelsPlan(name) for name in transformers)]
     return plans
+
+
+@functools.cache
+def _log_once(message: str) -> None:
+    logger.info("%s", message)
 
 
 def apply_plans(components: dict[str, Any], plans: Sequence[ModulePlan]) -> Undo:

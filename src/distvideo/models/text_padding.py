@@ -93,10 +93,9 @@ class TextPaddingPlan:
     returns) undoes it. `copies` is the padding run of the current forward (1: not compacted);
     `counts["compacted_forward"]` counts the forwards it served."""
 
-    component = "transformer"
-
-    def __init__(self, counts: Counter[str] | None = None):
+    def __init__(self, counts: Counter[str] | None = None, component: str = "transformer"):
         self.counts = counts if counts is not None else Counter()
+        self.component = component
         self.copies = 1
         self._handles: list[Any] = []
         self._processors: list[tuple[Any, Any]] = []
@@ -196,10 +195,9 @@ class TextProjectionMemo:
     WanTransformer3DModel (image-conditioned blocks excepted: their image and text tokens are re-concatenated per
     forward)."""
 
-    component = "transformer"
-
-    def __init__(self, counts: Counter[str] | None = None):
+    def __init__(self, counts: Counter[str] | None = None, component: str = "transformer"):
         self.counts = counts if counts is not None else Counter()
+        self.component = component
 
     def apply(self, transformer: Any) -> Callable[[], None]:
         modules = [transformer.condition_embedder.text_embedder]

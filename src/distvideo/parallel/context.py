@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 import torch
@@ -14,6 +14,7 @@ import torch
 from distvideo.models.plans import ModulePlan
 from distvideo.models.text_padding import TextProjectionMemo
 from distvideo.parallel.cfg import cfg_parallel_noise, texts_for_branch
+from distvideo.parallel.collectives import broadcast_tensors
 from distvideo.parallel.groups import ParallelGroups
 from distvideo.parallel.layout import ParallelLayout
 from distvideo.parallel.ulysses import UlyssesPlan
@@ -49,12 +50,20 @@ class ParallelContext:
         """Create the layout's process groups (collective: every rank calls it, once)."""
         return cls(ParallelGroups.create(layout, timeout=timeout), device=device)
 
-    def plans(self) -> list[ModulePlan]:
-        """Ulysses on the transformer (sp > 1) with the text-projection memo (SP does not split the text side of
-        cross-attention: project it once per request, not once per step), and the banded decode on the VAE."""
+    def plans(self, transformers: Sequence[str] = ("transformer",)) -> list[ModulePlan]:
+        """Ulysses on every denoising transformer (sp > 1; a second expert gets its own plan, counting into the
+        first's counters) with the text-projection memo (SP does not split the text side of cross-attention: project
+        it once per request, not once per step), and the banded decode on the VAE."""
         plans: list[ModulePlan] = []
         if self.ulysses is not None:
-            plans += [self.ulysses, TextProjectionMemo(self.counts)]
+            for name in transformers:
+                ulysses = self.ulysses
+                if name != ulysses.component:
+                    first = self.ulysses
+                    ulysses = UlyssesPlan(
+                        first.group, first.sp_size, first.sp_rank, component=name, counts=first.counts
+                    )
+                plans += [ulysses, TextProjectionMemo(self.counts, component=name)]
         plans.append(self.vae_decoder)
         return plans
 
@@ -106,6 +115,17 @@ class ParallelContext:
             group=self.groups.cfg,
             counts=self.counts,
         )
+
+    # -- image conditioning --------------------------------------------------------------------------------
+    def computed_once(self, compute: Callable[[], list[torch.Tensor]]) -> list[torch.Tensor]:
+        """`compute()` on rank 0 only, its tensors broadcast to every rank: the image conditioning (CLIP tokens, the
+        VAE encode of the given frame), which every rank needs whole and alike. Measured against every rank computing
+        it itself: benchmarks/conditioning.py, docs/families.md."""
+        if self.rank == 0:
+            self.counts["conditioning_computed"] += 1
+            return broadcast_tensors(compute(), src=0, device=self.device)
+        self.counts["conditioning_received"] += 1
+        return broadcast_tensors(None, src=0, device=self.device)
 
     # -- decoding ------------------------------------------------------------------------------------------
     @property

@@ -6,6 +6,9 @@ processor change what flows through it:
 - model pre-hook: derive the token count of this forward from the latent shape and the patch size;
 - ``rope`` hook: keep this rank's slice of the rotary tables;
 - ``blocks.0`` pre-hook: pad the token sequence to a multiple of sp and keep this rank's contiguous shard;
+- with a timestep per token (Wan2.2 TI2V-5B's ``expand_timesteps``): a pre-hook on every block keeps this rank's
+  shard of the per-token modulation (``temb``, computed once per forward), and the shards are gathered before
+  ``norm_out`` instead of after ``proj_out``, since the output modulation is per token too;
 - ``attn1`` of every block: :class:`UlyssesAttnProcessor` projects q, k, v for the local tokens and all heads, moves
   them with ONE all-to-all to all tokens and heads/sp (heads scattered, sequence gathered), attends, and moves the
   output back with one more; padded key positions are cut off before attention, so they never take part;
@@ -161,14 +164,25 @@ class UlyssesPlan:
 
     component = "transformer"
 
-    def __init__(self, group: Any, sp_size: int, sp_rank: int):
+    def __init__(
+        self,
+        group: Any,
+        sp_size: int,
+        sp_rank: int,
+        *,
+        component: str = "transformer",
+        counts: Counter[str] | None = None,
+    ):
         if sp_size < 2:
             raise ValueError(f"Ulysses needs sp_size >= 2, got {sp_size}")
+        self.component = component
         self.group = group
         self.sp_size = sp_size
         self.sp_rank = sp_rank
-        self.counts: Counter[str] = Counter()
+        self.counts: Counter[str] = counts if counts is not None else Counter()
         self._shard: SequenceShard | None = None
+        self._per_token = False  # this forward has a timestep per token
+        self._temb: tuple[torch.Tensor, torch.Tensor] | None = None  # (full per-token modulation, this rank's shard)
         self._handles: list[Any] = []
         self._processors: list[tuple[Any, Any]] = []
         self._patch_size: tuple[int, ...] = (1, 2, 2)
@@ -189,8 +203,10 @@ class UlyssesPlan:
             transformer.register_forward_pre_hook(self._on_model_input, with_kwargs=True),
             transformer.rope.register_forward_hook(self._on_rope_output),
             transformer.blocks[0].register_forward_pre_hook(self._on_first_block_input, with_kwargs=True),
+            transformer.norm_out.register_forward_pre_hook(self._on_norm_out_input),
             transformer.proj_out.register_forward_hook(self._on_proj_out_output),
         ]
+        self._handles += [block.register_forward_pre_hook(self._on_block_input) for block in transformer.blocks]
         for block in transformer.blocks:
             original = block.attn1.processor
             self._processors.append((block.attn1, original))
@@ -208,8 +224,8 @@ class UlyssesPlan:
     def _on_model_input(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         hidden_states = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
         timestep = kwargs["timestep"] if "timestep" in kwargs else args[1]
-        if timestep.ndim != 1:
-            raise NotImplementedError("sequence parallelism supports one timestep per sample (Wan2.1), not per token")
+        self._per_token = timestep.ndim == 2
+        self._temb = None
         f, h, w = hidden_states.shape[2:]
         p_t, p_h, p_w = self._patch_size
         self._shard = SequenceShard((f // p_t) * (h // p_h) * (w // p_w), self.sp_size, self.sp_rank)
@@ -226,10 +242,31 @@ class UlyssesPlan:
             args = (take_shard(args[0], 1, self.shard), *args[1:])
         return args, kwargs
 
-    def _on_proj_out_output(self, module: Any, args: Any, output: torch.Tensor) -> torch.Tensor:
-        shards = [torch.empty_like(output) for _ in range(self.sp_size)]
+    def _on_block_input(self, module: Any, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        """Per-token modulation (B, S, 6, D) -> this rank's (B, S/sp, 6, D), once per forward for all blocks."""
+        if not self._per_token or len(args) < 3:
+            return None
+        temb = args[2]
+        if self._temb is None or self._temb[0] is not temb:
+            self._temb = (temb, take_shard(temb, 1, self.shard))
+        return (*args[:2], self._temb[1], *args[3:])
+
+    def _on_norm_out_input(self, module: Any, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        if not self._per_token:
+            return None
+        self._temb = None
+        return (self.gather_sequence(args[0]), *args[1:])
+
+    def _on_proj_out_output(self, module: Any, args: Any, output: torch.Tensor) -> torch.Tensor | None:
+        if self._per_token:
+            return None  # gathered before norm_out
+        return self.gather_sequence(output)
+
+    def gather_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's shard (B, S/sp, ...) -> the whole sequence without its padding (B, S, ...)."""
+        shards = [torch.empty_like(x) for _ in range(self.sp_size)]
         with collective("the Ulysses output gather"):
-            dist.all_gather(shards, output.contiguous(), group=self.group)
+            dist.all_gather(shards, x.contiguous(), group=self.group)
         self.counts["all_gather"] += 1
         return torch.cat(shards, dim=1)[:, : self.shard.seq_len]
 

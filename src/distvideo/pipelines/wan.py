@@ -11,7 +11,7 @@ import functools
 import logging
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -133,8 +133,13 @@ class WanT2VPipeline:
                 hidden_states=model_input, timestep=timestep, encoder_hidden_states=embeds, return_dict=False
             )[0]
 
+        assert batch.request.guidance_scale is not None
+        return self.guided(noise, batch, batch.request.guidance_scale)
+
+    def guided(self, noise: Callable[[torch.Tensor], torch.Tensor], batch: WanBatch, scale: float) -> torch.Tensor:
+        """Classifier-free guidance over `noise(text embeddings)`: uncond + scale * (cond - uncond), or cond alone
+        without guidance. Under CFG parallelism this rank runs one branch; one all-gather per step brings the other."""
         if self.parallel is not None and self.parallel.cfg_parallel:
-            # CFG parallelism: this rank runs one branch; one all-gather per step brings the other
             cond, uncond = self.parallel.cfg_branches(
                 noise, batch.prompt_embeds, batch.negative_prompt_embeds, batch.do_cfg
             )
@@ -147,8 +152,7 @@ class WanT2VPipeline:
                 uncond = noise(batch.negative_prompt_embeds)
         if uncond is None:
             return cond
-        assert batch.request.guidance_scale is not None
-        return uncond + batch.request.guidance_scale * (cond - uncond)
+        return uncond + scale * (cond - uncond)
 
     @torch.no_grad()
     def denoise(self, batch: WanBatch, control: StepControl | None = None) -> None:

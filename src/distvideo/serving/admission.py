@@ -3,7 +3,6 @@ queued. The model's own rules come from `ModelInfo.resolve_request` (the same ch
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,10 +50,8 @@ class Admission:
 
     @property
     def takes_image(self) -> bool:
-        # an image-to-video family resolves a request's `image`; text-only ones have no such field to fill
-        return "image" in {f.name for f in dataclasses.fields(GenerationRequest)} and bool(
-            getattr(self.model.family, "takes_image", False)
-        )
+        """Whether the served family takes a conditioning image (`input_reference`)."""
+        return self.model.family.takes_image
 
     def admit(self, body: VideoCreate, job_id: str, image_path: str | None = None) -> tuple[dict[str, Any], Any]:
         """(the job's fields as the API shows them, the resolved GenerationRequest). Raises ApiError(422)."""
