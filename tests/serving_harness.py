@@ -23,7 +23,8 @@ import pytest
 
 from launchers import _kill_tree, build_launch, console_script, launcher_env, require_launcher, start_local_slurm
 
-FAULTS = Path(__file__).resolve().parent / "serving_faults"  # sitecustomize: DISTVIDEO_TEST_FAIL_RANK
+FAULTS = Path(__file__).resolve().parent / "serving_faults"  # sitecustomize: fault injection, slow long jobs
+SLOW_STEP_ENV = {"DISTVIDEO_TEST_SLOW_STEP_S": "0.05"}  # jobs of 100+ steps: 5 s or more, whatever the machine
 START_TIMEOUT_S = 300.0
 TERMINAL = ("completed", "failed")
 SMALL = {"size": "48x32", "num_frames": 5, "num_inference_steps": 2, "seed": 3}  # a job of about a second
@@ -149,15 +150,15 @@ def start_server(
         "--shutdown-grace",
         "60",
         "--max-steps",
-        "1000",
+        "900",
         *args,
     ]
-    child_env = {"DISTVIDEO_NO_PROGRESS": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
+    child_env = {"DISTVIDEO_NO_PROGRESS": "1", "HF_HUB_OFFLINE": "1", **SLOW_STEP_ENV, **(env or {})}
+    child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FAULTS), os.environ.get("PYTHONPATH")]))
     if api_key:
         child_env["DISTVIDEO_API_KEY"] = api_key  # not on the command line
     if fail_rank is not None:
         child_env["DISTVIDEO_TEST_FAIL_RANK"] = fail_rank
-        child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FAULTS), os.environ.get("PYTHONPATH")]))
     cmd, full_env = server_command(executor, flags, child_env)
     log = workdir / f"server-{executor}-{time.monotonic_ns()}.log"
     with log.open("wb") as sink:

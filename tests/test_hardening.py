@@ -243,7 +243,7 @@ def test_broken_adapters_are_refused_naming_the_key(lora_gen, tmp_path, change, 
     path = _lora(tmp_path, "broken", **change)
     with pytest.raises(LoraError, match=named):
         lora_gen.set_lora_adapter("broken", str(path))
-    assert lora_gen.collective_rpc("describe" if False else lambda w: w.lora.describe() if w.lora else None)[0] in (
+    assert lora_gen.collective_rpc(lambda w: w.lora["transformer"].describe() if w.lora else None)[0] in (
         None,
         {"active": [], "merged": True, "cached": [], "touched_layers": 0},
     )
@@ -258,7 +258,7 @@ def test_the_adapter_cache_is_bounded_and_adapters_can_be_removed(tmp_path):
     with VideoGenerator.from_config(config) as gen:
         gen.set_lora_adapter("a", str(a))
         gen.set_lora_adapter("b", str(b))  # replaces a: a is no longer active, and the cache has no room for it
-        state = gen.collective_rpc(lambda w: w.lora.describe())[0]
+        state = gen.collective_rpc(lambda w: w.lora["transformer"].describe())[0]
         assert state["cached"] == ["b"] and state["active"] == [["b", 1.0]]
         with pytest.raises(LoraError, match="no LoRA adapter named 'a'"):
             gen.set_lora_adapter("a")
@@ -268,7 +268,7 @@ def test_the_adapter_cache_is_bounded_and_adapters_can_be_removed(tmp_path):
         with pytest.raises(LoraError, match="is active"):
             gen.remove_lora_adapter("b")
         gen.remove_lora_adapter("a")
-        assert gen.collective_rpc(lambda w: w.lora.describe())[0]["cached"] == ["b"]
+        assert gen.collective_rpc(lambda w: w.lora["transformer"].describe())[0]["cached"] == ["b"]
         with pytest.raises(LoraError, match="no such adapter"):
             gen.remove_lora_adapter("a")
 

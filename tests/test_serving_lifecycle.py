@@ -5,6 +5,7 @@ job fails, /health turns unhealthy, the process exits 1)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import sqlite3
 import subprocess
@@ -24,7 +25,7 @@ from distvideo.serving.runner import EngineLoop
 from distvideo.serving.server import Frontend
 
 from launchers import console_script
-from serving_harness import SMALL, start_server
+from serving_harness import FAULTS, SLOW_STEP_ENV, SMALL, start_server
 
 LONG = {"size": "48x32", "num_frames": 5, "num_inference_steps": 400, "seed": 1}
 FINISHABLE = {"size": "48x32", "num_frames": 5, "num_inference_steps": 60, "seed": 2}
@@ -140,10 +141,13 @@ def test_a_dead_launched_rank_fails_the_job_and_the_launch_exits_nonzero(tmp_pat
 
 
 @pytest.mark.slow
-def test_health_from_loading_to_unhealthy_when_an_mp_worker_dies(tmp_path):
+def test_health_from_loading_to_unhealthy_when_an_mp_worker_dies(tmp_path, monkeypatch):
     """In this process, so the test decides when the HTTP server stops: /health says "loading" until the model is
     loaded; after a worker died the engine loop returns 1 (`distvideo serve`'s exit code), the running and the queued
     job fail, and the server, still up, says why."""
+    for name, value in SLOW_STEP_ENV.items():  # the spawned workers slow the long job down
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(FAULTS), os.environ.get("PYTHONPATH")])))
     engine = resolve_engine(EngineConfig(executor="mp", num_gpus=2))
     options = ServeOptions(port=0, output=str(tmp_path), limits=ServeLimits(max_steps=1000))
     front = Frontend(engine, options, {})

@@ -1,6 +1,12 @@
-"""Test-only fault injection for served engines (tests/test_serving_*.py): with DISTVIDEO_TEST_FAIL_RANK=N in the
-environment (or "all"), the Wan pipeline raises on rank N (every rank) for prompts containing "inject a fault". Python imports this module at
-start-up in every process whose PYTHONPATH starts with this folder: the server, its mp workers, launched ranks."""
+"""Test-only hooks for served engines (tests/test_serving_*.py). Python imports this module at start-up in every
+process whose PYTHONPATH starts with this folder: the server, its mp workers, launched ranks.
+
+- DISTVIDEO_TEST_FAIL_RANK=N (or "all"): the Wan pipeline raises on rank N (every rank) for prompts containing
+  "inject a fault".
+- DISTVIDEO_TEST_SLOW_STEP_S=S: every rank sleeps S seconds after each denoising step of a job of 100 steps or more,
+  so a "long" job outlasts a grace period or a cancel whatever the machine's speed (a tiny model's step can take
+  2 ms), while short jobs run at full speed.
+"""
 
 import os
 
@@ -19,3 +25,18 @@ if os.environ.get("DISTVIDEO_TEST_FAIL_RANK"):
         return _original(self, request, *args, **kwargs)
 
     wan.WanT2VPipeline.__call__ = _call
+
+if os.environ.get("DISTVIDEO_TEST_SLOW_STEP_S"):
+    import time
+
+    from distvideo.pipelines import control
+
+    _SLOW_S = float(os.environ["DISTVIDEO_TEST_SLOW_STEP_S"])
+    _after_step = control.StepControl.after_step
+
+    def _slow_after_step(self, done, total):
+        if total >= 100:
+            time.sleep(_SLOW_S)
+        return _after_step(self, done, total)
+
+    control.StepControl.after_step = _slow_after_step

@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from distvideo.config import MAX_STEPS
 from distvideo.errors import ConfigError
 
 DEFAULT_HOST = "127.0.0.1"  # loopback: nothing listens beyond this machine unless asked (--host)
@@ -28,6 +29,8 @@ class ServeLimits:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')}={value!r} must be a positive integer")
+        if self.max_steps > MAX_STEPS:
+            raise ConfigError(f"--max-steps={self.max_steps} is more than the engine takes (at most {MAX_STEPS} steps)")
 
 
 @dataclass(frozen=True)
