@@ -19,7 +19,7 @@ lint: setup
 	$(VENV)/bin/ruff format --check src tests benchmarks scripts examples
 
 typecheck: setup
-	$(VENV)/bin/mypy $(SRC)/launch.py $(SRC)/envs.py $(SRC)/config.py $(SRC)/executors
+	$(VENV)/bin/mypy $(SRC)
 
 pytest: setup system-deps
 	$(PY) -m pytest -q --durations=15 tests

@@ -12,8 +12,7 @@ Each launch makes one warm-up generation (1 step, same shape), then ``--runs`` t
 ``--rounds`` interleaved rounds (single, cfg2, sp2, diffusers, single, ...), so a burst of load from other processes
 on a shared machine spreads over all modes instead of hitting one. The table shows medians over every timed run of
 text encoding + denoising, decoding (VAE decode + uint8 frames) and end to end, with min-max and the 1-minute load
-average seen at the launches. The distvideo multi-rank modes also time the text encoding stage alone with each
-strategy ("local": every rank encodes what it needs; "broadcast": rank 0 encodes, the embeddings are broadcast).
+average seen at the launches.
 
     python benchmarks/parallel.py                                  # all modes, 3 rounds of 1 timed run
     python benchmarks/parallel.py --modes single,sp2 --rounds 5 --json results.json
@@ -81,35 +80,9 @@ def run_distvideo(mode: str, args: argparse.Namespace) -> dict[str, Any] | None:
                     "e2e": t["total"],
                 }
             )
-        text = {}
-        if spec["world"] > 1:
-            text = gen.collective_rpc(time_text_encoding, args=(("local", "broadcast"), args.text_repeats))[0]
         if not gen.is_output_rank:
             return None
-        return {"mode": mode, "runs": runs, "text_encoding_strategies": text, "frames_std": float(res.frames.std())}
-
-
-def time_text_encoding(worker: Any, strategies: tuple[str, ...], repeats: int) -> dict[str, float]:
-    """Median seconds of the encode_text stage (prompt + negative prompt) per strategy; the strategies alternate, so
-    load from other processes hits them alike."""
-    import torch.distributed as dist
-
-    from distvideo.config import GenerationRequest
-    from distvideo.pipelines.wan import WanBatch
-
-    request = GenerationRequest(prompt=PROMPT, negative_prompt=NEGATIVE, guidance_scale=5.0)
-    default = worker.parallel.text_encoding
-    times: dict[str, list[float]] = {s: [] for s in strategies}
-    for _ in range(repeats):
-        for strategy in strategies:
-            worker.parallel.text_encoding = strategy
-            dist.barrier(group=worker.cpu_group)
-            start = time.perf_counter()
-            worker.pipeline.encode_text(WanBatch(request=request, do_cfg=True))
-            dist.barrier(group=worker.cpu_group)  # the stage is done when every rank has its embeddings
-            times[strategy].append(time.perf_counter() - start)
-    worker.parallel.text_encoding = default
-    return {s: statistics.median(t) for s, t in times.items()}
+        return {"mode": mode, "runs": runs, "frames_std": float(res.frames.std())}
 
 
 def run_diffusers_ulysses(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -156,7 +129,6 @@ def run_diffusers_ulysses(args: argparse.Namespace) -> dict[str, Any] | None:
     return {
         "mode": "diffusers-ulysses2",
         "runs": runs,
-        "text_encoding_strategies": {},
         "frames_std": float(frames.std()),
     }
 
@@ -176,8 +148,7 @@ def run_paired(args: argparse.Namespace) -> dict[str, Any] | None:
     from diffusers import AutoencoderKLWan, ContextParallelConfig, WanTransformer3DModel
 
     from distvideo.models.cpu_kernels import use_cpu_kernels
-    from distvideo.models.text_padding import TextPaddingPlan
-    from distvideo.parallel.text_cache import memoize_text_projections
+    from distvideo.models.text_padding import TextPaddingPlan, TextProjectionMemo
     from distvideo.parallel.ulysses import UlyssesPlan
     from distvideo.parallel.vae import BandedVaeDecoder
 
@@ -187,15 +158,16 @@ def run_paired(args: argparse.Namespace) -> dict[str, Any] | None:
     rank, world = dist.get_rank(), dist.get_world_size()
     folder = Path(args.model)
     plain, ours, theirs = (WanTransformer3DModel.from_pretrained(folder / "transformer").eval() for _ in range(3))
-    TextPaddingPlan().apply(plain)  # distvideo's one-rank transformer (as WanT2VPipeline applies it)
+    TextPaddingPlan().apply(plain)  # distvideo's one-rank transformer (as the worker applies its speed plans)
     TextPaddingPlan().apply(ours)
     UlyssesPlan(dist.group.WORLD, world, rank).apply(ours)
-    memoize_text_projections(ours)  # as ParallelContext.apply_plans does under SP
+    TextProjectionMemo().apply(ours)  # as ParallelContext.plans() has it under SP
     theirs.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
     stock_vae = AutoencoderKLWan.from_pretrained(folder / "vae").eval()
     vae = AutoencoderKLWan.from_pretrained(folder / "vae").eval()
     use_cpu_kernels(vae)
-    banded = BandedVaeDecoder(lambda size: dist.group.WORLD, rank, world).apply(vae)
+    banded = BandedVaeDecoder(lambda size: dist.group.WORLD, rank, world)
+    banded.apply(vae)
 
     gen = torch.Generator("cpu").manual_seed(0)
     z = plain.config.in_channels
@@ -307,7 +279,7 @@ def launch(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     world = MODES[mode]["world"]
     script = [str(Path(__file__).resolve()), f"--child={mode}", f"--model={args.model}", f"--runs={args.runs}"]
     script += [f"--frames={args.frames}", f"--height={args.height}", f"--width={args.width}"]
-    script += [f"--steps={args.steps}", f"--guidance={args.guidance}", f"--text-repeats={args.text_repeats}"]
+    script += [f"--steps={args.steps}", f"--guidance={args.guidance}"]
     script += [f"--paired-steps={args.paired_steps}", f"--paired-decodes={args.paired_decodes}"]
     if mode == "single":
         cmd = [sys.executable, *script]
@@ -359,13 +331,6 @@ def report(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
     ratio("diffusers-ulysses2", "single", "decode", "diffusers' decode under its Ulysses (each rank decodes all)")
     ratio("cfg2", "single", "e2e", "cfg=2 end to end vs one rank")
     ratio("sp2", "single", "e2e", "sp=2 end to end vs one rank")
-    for mode, r in results.items():
-        for strategy, per_launch in r.get("text_encoding_strategies", {}).items():
-            shown = ", ".join(f"{x * 1e3:.0f}" for x in per_launch)
-            lines.append(
-                f"- text encoding stage, {mode}, {strategy}: {statistics.median(per_launch) * 1e3:.0f} ms "
-                f"(median of the launches' medians; per launch: {shown} ms)"
-            )
     return "\n".join(lines)
 
 
@@ -417,7 +382,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=192)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--guidance", type=float, default=5.0)
-    parser.add_argument("--text-repeats", type=int, default=20)
     parser.add_argument("--paired-steps", type=int, default=20, help="alternations of one step, --paired only")
     parser.add_argument("--paired-decodes", type=int, default=3, help="alternations of one decode, --paired only")
     parser.add_argument("--paired", action="store_true", help="also run the paired (alternating) launch")
@@ -435,11 +399,9 @@ def main(argv: list[str] | None = None) -> int:
         for mode in [m for m in args.modes.split(",") if m]:
             start, load = time.perf_counter(), os.getloadavg()[0]
             one = launch(mode, args)
-            merged = results.setdefault(mode, {"mode": mode, "runs": [], "text_encoding_strategies": {}, "loads": []})
+            merged = results.setdefault(mode, {"mode": mode, "runs": [], "loads": []})
             merged["runs"] += one["runs"]
             merged["loads"].append(load)
-            for strategy, seconds in one["text_encoding_strategies"].items():
-                merged["text_encoding_strategies"].setdefault(strategy, []).append(seconds)
             took = time.perf_counter() - start
             print(
                 f"round {round_index} {mode}: {one['runs']} (load {load:.1f}, {took:.0f} s)",

@@ -10,7 +10,7 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV"
 fi
 stamp="$VENV/.distvideo-installed"
-want=$(cat pyproject.toml constraints-cpu.txt scripts/setup_venv.sh | sha256sum | cut -c1-16)
+want=$(cat pyproject.toml constraints-cpu.txt constraints-test.txt scripts/setup_venv.sh | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     exit 0
 fi
@@ -22,5 +22,5 @@ if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; t
         "$VENV/bin/python" -m pip install -q "${constraint[@]}" torch
     fi
 fi
-"$VENV/bin/python" -m pip install -q "${constraint[@]}" -e ".[test]"
+"$VENV/bin/python" -m pip install -q "${constraint[@]}" -c constraints-test.txt -e ".[test]"
 echo "$want" > "$stamp"

@@ -104,7 +104,7 @@ def test_bad_input_real_process_exit_code(tmp_path):
     assert not (tmp_path / "outputs").exists()
 
 
-def test_failure_during_encoding_leaves_no_file(tmp_path, capsys, monkeypatch):
+def test_failure_during_encoding_leaves_no_partial_video_and_keeps_the_frames(tmp_path, capsys, monkeypatch):
     import distvideo.media
 
     def broken_encoder(frames, file, fps):
@@ -114,5 +114,6 @@ def test_failure_during_encoding_leaves_no_file(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(distvideo.media, "_encode_mp4", broken_encoder)
     out = tmp_path / "clip.mp4"
     assert main(["generate", "--prompt", "x", "--output", str(out), *SMALL]) == 1
-    assert "disk full" in capsys.readouterr().err
-    assert list(tmp_path.iterdir()) == []
+    err = capsys.readouterr().err
+    assert "disk full" in err and "clip.frames.npy" in err
+    assert [p.name for p in tmp_path.iterdir()] == ["clip.frames.npy"]  # no partial video; the frames are kept

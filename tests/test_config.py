@@ -81,7 +81,7 @@ def test_lora_spec_parse(text, expected):
     ("fields", "named"),
     [
         ({"prompt": ""}, "prompt"),
-        ({"num_frames": 16}, "num_frames"),
+        ({"num_frames": 0}, "num_frames"),
         ({"num_inference_steps": 0}, "num_inference_steps"),
         ({"guidance_scale": -0.5}, "guidance_scale"),
         ({"seed": -1}, "seed"),

@@ -164,13 +164,19 @@ def test_failure_on_one_rank_is_data_and_the_executor_stays_usable(gen: VideoGen
     assert gen.collective_rpc(rank_of) == [0, 1]
 
 
-def test_timeout_names_the_ranks_and_the_late_answer_is_dropped(gen: VideoGenerator):
+def test_a_timed_out_call_tears_the_workers_down_instead_of_queueing_the_next(model_path: str):
+    """A call past its timeout cannot be interrupted inside the workers; the next call would wait behind it, so the
+    workers are torn down and the executor says it is dead (issue 14)."""
+    gen = VideoGenerator.from_pretrained(model_path, num_gpus=2, executor="mp")
+    pids = gen.collective_rpc(pid_of)
     with pytest.raises(TimeoutError) as info:
-        gen.collective_rpc(sleep_then_answer, args=(3.0, "late"), timeout=0.5)
-    assert "rank 0" in str(info.value) and "rank 1" in str(info.value)
-    # the workers finish the sleep first; this call must get its own answer, not "late"
-    assert gen.collective_rpc(sleep_then_answer, args=(0.0, "fresh")) == ["fresh", "fresh"]
-    assert gen.collective_rpc(rank_of) == [0, 1]
+        gen.collective_rpc(sleep_then_answer, args=(600.0, "late"), timeout=0.5)
+    text = str(info.value)
+    assert "rank 0" in text and "rank 1" in text and "torn down" in text
+    assert wait_gone(pids, within=15) == []
+    with pytest.raises(RuntimeError, match="executor is dead"):
+        gen.collective_rpc(rank_of)
+    gen.shutdown()
 
 
 def test_frames_match_inline_and_only_the_output_rank_ships_them(gen: VideoGenerator, model_path: str):

@@ -52,7 +52,8 @@ def test_compacted_forward_equals_diffusers_forward(test_checkpoint, real_tokens
     x, t = x.expand(2, -1, -1, -1, -1), torch.tensor([700.0, 700.0])
     with torch.no_grad():
         ref = model(hidden_states=x, timestep=t, encoder_hidden_states=embeds, return_dict=False)[0]
-        plan = TextPaddingPlan().apply(model)
+        plan = TextPaddingPlan()
+        plan.apply(model)
         out = model(hidden_states=x, timestep=t, encoder_hidden_states=embeds, return_dict=False)[0]
     run = 64 - real_tokens  # the longer text decides (an empty text: all 64 rows alike)
     compacts = 64 - run + 1 <= 32  # pays only when at most half the rows remain
@@ -98,5 +99,6 @@ def test_image_conditioned_models_are_left_alone():
         ffn_dim=16, num_layers=1, image_dim=8, added_kv_proj_dim=16,
     )  # fmt: skip
     model = WanTransformer3DModel(**config)
-    plan = TextPaddingPlan().apply(model)
+    plan = TextPaddingPlan()
+    plan.apply(model)
     assert not plan.applied and type(model.blocks[0].attn2.processor).__name__ == "WanAttnProcessor"

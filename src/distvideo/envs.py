@@ -56,6 +56,25 @@ _declare(
     None,
     "Intra-op CPU threads per rank. Default: OMP_NUM_THREADS when the user set it, else cores / local world size.",
 )
+_declare(
+    "DISTVIDEO_DIST_TIMEOUT",
+    float,
+    600.0,
+    "Default dist_timeout in seconds: how long a collective waits for a peer before the job is declared broken.",
+)
+_declare(
+    "DISTVIDEO_LORA_CACHE_MB",
+    _int,
+    1024,
+    "Default lora_cache_mb: MiB of cached LoRA adapters per rank (least recently used inactive ones dropped first).",
+)
+_declare(
+    "DISTVIDEO_API_KEY",
+    _str,
+    None,
+    "distvideo serve: the API key clients must send as 'Authorization: Bearer KEY' when --api-key is not given "
+    "(keeps the key off the command line).",
+)
 _declare("DISTVIDEO_NO_PROGRESS", _bool, False, "Disable the tqdm progress bar (same as --no-progress).")
 _declare(
     "DISTVIDEO_COMPACT_TEXT_PADDING",
@@ -108,6 +127,13 @@ _declare(
 )
 _declare(
     "TORCHELASTIC_RUN_ID", _str, None, "Set by torchrun; tells that OMP_NUM_THREADS=1 came from torchrun.", "other"
+)
+_declare(
+    "GLOO_SOCKET_IFNAME",
+    _str,
+    None,
+    "Network interface gloo binds to; the mp executor sets it to the loopback interface in its workers.",
+    "other",
 )
 _declare(
     "CUDA_VISIBLE_DEVICES", _str, None, "GPUs visible to this process (reported in errors about devices).", "other"

@@ -3,24 +3,24 @@ on the output rank."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from distvideo.batch.run import BatchResult
 from distvideo.config import ConfigError, EngineConfig, GenerationRequest, LoraSpec
-from distvideo.executors.base import Executor
-from distvideo.launch import launcher_rank_present, read_launch_environ
+from distvideo.engine import ResolvedEngine
+from distvideo.errors import RankFailure, VideoWriteError
+from distvideo.executors import Executor, create_executor, resolve_engine
 from distvideo.logging_utils import configure_logging
-from distvideo.media import resolve_output_path, write_video
-from distvideo.models.registry import ModelInfo, probe_model
-from distvideo.parallel.layout import resolve_layout
+from distvideo.media import check_video_output, resolve_output_path, write_array, write_video
+from distvideo.models.registry import ModelInfo
 
 logger = logging.getLogger(__name__)
 
@@ -35,53 +35,11 @@ class GenerationResult:
     request: GenerationRequest | None = None
 
 
-def embedded_model_path() -> Path:
-    from distvideo.models.embedded import embedded_model_path as path
-
-    return path()
-
-
-def choose_executor(config: EngineConfig, launcher_present: bool) -> str:
-    if config.executor != "auto":
-        return config.executor
-    if launcher_present:
-        return "external"
-    return "mp" if (config.num_gpus or 1) > 1 else "inline"
-
-
-def world_size_for(kind: str, config: EngineConfig) -> int:
-    """How many ranks executor `kind` will run, known before any process starts or weight loads."""
-    if kind == "external":
-        from distvideo.executors.external import resolve_external_env
-
-        return resolve_external_env(config).world_size
-    return config.num_gpus or 1
-
-
-def build_executor(kind: str, config: EngineConfig, info: ModelInfo) -> Executor:
-    if kind == "inline":
-        if (config.num_gpus or 1) != 1:
-            raise ConfigError(f"executor='inline' runs one rank; num_gpus={config.num_gpus} needs executor 'mp'")
-        from distvideo.executors.inline import InlineExecutor
-
-        return InlineExecutor(config, info)
-    if kind == "external":
-        from distvideo.executors.external import ExternalExecutor
-
-        return ExternalExecutor(config, info)
-    if kind == "mp":
-        from distvideo.executors.mp import MultiprocExecutor
-
-        return MultiprocExecutor(config, info)
-    raise ConfigError(f"executor={kind!r} is not supported")
-
-
 class VideoGenerator:
     """Generate videos with a diffusers-format checkpoint on one or many ranks."""
 
-    def __init__(self, config: EngineConfig, executor: Executor, model_info: ModelInfo):
-        self.config = config
-        self.model_info = model_info
+    def __init__(self, engine: ResolvedEngine, executor: Executor):
+        self.engine = engine
         self._executor: Executor | None = executor
         self._finalizer = weakref.finalize(self, executor.shutdown)  # also runs at interpreter exit
 
@@ -94,18 +52,19 @@ class VideoGenerator:
         executor: str = "auto",
         sp_size: int | None = None,
         cfg_parallel: bool | None = None,
+        replicas: int | None = None,
         dist_timeout: float | None = None,
         device: str | None = None,
         dtype: str | None = None,
         lora: list[LoraSpec] | None = None,
     ) -> VideoGenerator:
-        configure_logging()
         config = EngineConfig(
             model=str(model) if model is not None else None,
             num_gpus=num_gpus,
             executor=executor,
             sp_size=sp_size,
             cfg_parallel=cfg_parallel,
+            replicas=replicas,
             dist_timeout=dist_timeout,
             device=device,
             dtype=dtype,
@@ -113,43 +72,37 @@ class VideoGenerator:
         )
         return cls.from_config(config)
 
-    @staticmethod
-    def probe(config: EngineConfig) -> tuple[EngineConfig, ModelInfo]:
-        """Validate the engine config, read the model's JSON files and check its weight files' headers (no weights, no
-        processes): a missing or truncated file fails here, naming it."""
-        from distvideo.models.loading import verify_component_files
-
-        config.validate()
-        if config.model is None:
-            config = dataclasses.replace(config, model=str(embedded_model_path()))
-        info = probe_model(str(config.model))
-        verify_component_files(info)
-        return config, info
-
     @classmethod
     def from_config(cls, config: EngineConfig) -> VideoGenerator:
-        configure_logging()
-        config, info = cls.probe(config)  # bad paths fail here, before any process or weight
-        kind = choose_executor(config, launcher_rank_present(read_launch_environ()))
-        config = dataclasses.replace(config, executor=kind)
-        layout = resolve_layout(  # impossible layouts fail here too, before any process or weight
-            world_size_for(kind, config),
-            sp_size=config.sp_size,
-            cfg_parallel=config.cfg_parallel,
-            num_heads=info.num_attention_heads,
-        )
-        logger.debug("parallel layout: %s", layout.describe())
+        """Resolve the engine (bad paths and impossible layouts fail here, before any process or weight), then
+        start its ranks and load the model."""
+        configure_logging(config.log_level)
+        return cls.from_engine(resolve_engine(config))
+
+    @classmethod
+    def from_engine(cls, engine: ResolvedEngine) -> VideoGenerator:
+        """Start the ranks of an engine resolved with `distvideo.executors.resolve_engine` and load the model."""
+        configure_logging(engine.config.log_level)
         start = time.perf_counter()
-        executor = build_executor(kind, config, info)
-        gen = cls(config, executor, info)
-        logger.debug("loaded %s with executor %s in %.2f s", info.path, kind, time.perf_counter() - start)
-        if config.lora:
+        gen = cls(engine, create_executor(engine))
+        logger.debug(
+            "loaded %s with executor %s in %.2f s", engine.model.path, engine.executor, time.perf_counter() - start
+        )
+        if engine.config.lora:
             try:
-                gen._apply_lora_specs(config.lora)
+                gen._apply_lora_specs(engine.config.lora)
             except BaseException:
                 gen.shutdown()
                 raise
         return gen
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    @property
+    def model_info(self) -> ModelInfo:
+        return self.engine.model
 
     # -- properties ------------------------------------------------------------------------------
     @property
@@ -172,40 +125,90 @@ class VideoGenerator:
         prompt: str,
         *,
         negative_prompt: str | None = None,
+        image: Any = None,
         num_frames: int | None = None,
         height: int | None = None,
         width: int | None = None,
         num_inference_steps: int | None = None,
         guidance_scale: float | None = None,
+        guidance_scale_2: float | None = None,
+        boundary_ratio: float | None = None,
         seed: int = 0,
-        fps: int = 16,
+        fps: int | None = None,
         output_path: str | None = None,
         save_video: bool = True,
         return_frames: bool = True,
         max_sequence_length: int = 512,
+        request_timeout: float | None = None,
+        on_progress: Callable[[int, int], None] | None = None,
     ) -> GenerationResult:
+        """Generate one video. `image` (image-to-video models): a file path, a PIL image or a uint8 array (H, W, 3).
+        Fields left None take the model's defaults (`fps`: the family's frame rate, 16 for Wan2.1, 24 for Wan2.2
+        TI2V-5B). `request_timeout` (seconds): the request stops at the next denoising step after it on every rank
+        and raises GenerationTimeout; `on_progress(done, total)` is called in this process after every denoising
+        step (under a launcher: on every rank). `cancel()` from another thread stops it."""
         request = GenerationRequest(
             prompt=prompt,
             negative_prompt=negative_prompt,
+            image=image,
             num_frames=num_frames,
             height=height,
             width=width,
             num_inference_steps=num_inference_steps,
             guidance_scale=guidance_scale,
+            guidance_scale_2=guidance_scale_2,
+            boundary_ratio=boundary_ratio,
             seed=seed,
-            fps=fps,
+            fps=fps if fps is not None else int(self.model_info.defaults.get("fps", 16)),
             output_path=output_path,
             save_video=save_video,
             return_frames=return_frames,
             max_sequence_length=max_sequence_length,
+            request_timeout=request_timeout,
         )
-        return self.generate_request(request)
+        return self.generate_request(request, on_progress=on_progress)
 
-    def generate_request(self, request: GenerationRequest) -> GenerationResult:
+    def generate_batch(
+        self,
+        items: Iterable[str | Mapping[str, Any]],
+        *,
+        output_dir: str | Path = "outputs",
+        batch_seed: int = 0,
+        return_frames: bool = False,
+        progress: bool | None = None,
+        **defaults: Any,
+    ) -> list[BatchResult]:
+        """Generate every item (a prompt, or a mapping with `prompt` and optional negative_prompt, seed, num_frames,
+        height, width, num_inference_steps, guidance_scale, fps, output) over the engine's replicas, writing one
+        video per item and `manifest.jsonl` into `output_dir`; items already done there (same arguments, video
+        whole) are not redone. `defaults`: request fields for every item. An item without a seed gets one derived
+        from `batch_seed` and its index. Results in input order (frames only with `return_frames`, on the process
+        that holds them); a failed item is a result with its error, the batch goes on (docs/batch.md)."""
+        from distvideo.batch import plan_batch, run_batch
+
+        defaults.setdefault("fps", int(self.model_info.defaults.get("fps", 16)))  # the family's frame rate
+        template = GenerationRequest(prompt="-", **defaults)  # the item's fields go on top
+        plan = plan_batch(items, self.model_info, folder=output_dir, defaults=template, batch_seed=batch_seed)
+        show = bool(self.config.progress) if progress is None else progress
+        return run_batch(self, plan, return_frames=return_frames, progress=show)
+
+    def cancel(self) -> None:
+        """Stop the request this generator is running, at its next denoising step on every rank (it raises
+        GenerationCancelled; the generator stays usable). Safe from any thread; a no-op when nothing runs."""
+        self.executor.cancel()
+
+    def generate_request(
+        self, request: GenerationRequest, on_progress: Callable[[int, int], None] | None = None
+    ) -> GenerationResult:
         start = time.perf_counter()
         executor = self.executor
-        try:
-            resolved, invalid = self.model_info.resolve_request(request), None  # bad input fails here, before any work
+        try:  # bad input fails here, before any work
+            resolved, invalid = self.model_info.resolve_request(request), None
+            if executor.is_output_rank and resolved.save_video:  # the writer's problems too, not after generating
+                assert resolved.width is not None and resolved.height is not None
+                check_video_output(
+                    resolved.output_path, resolved.prompt, resolved.seed, resolved.width, resolved.height, resolved.fps
+                )
         except ConfigError as exc:
             resolved, invalid = None, exc
         # Under a launcher every rank compares the arguments and whether they were valid, so a request refused on one
@@ -215,14 +218,14 @@ class VideoGenerator:
             raise invalid
         assert resolved is not None
         request = resolved
-        out = executor.execute_forward(request)
+        out = _refusals_as_config_errors(lambda: executor.execute_forward(request, on_progress))
         timings = dict(out.timings)
         video_path: str | None = None
         frames = out.frames if executor.is_output_rank else None
         if executor.is_output_rank and request.save_video and frames is not None:
             t0 = time.perf_counter()
             target = resolve_output_path(request.output_path, request.prompt, request.seed)
-            video_path = str(write_video(frames, target, fps=request.fps))
+            video_path = str(_write_or_keep(frames, target, request.fps))
             timings["video_writing"] = time.perf_counter() - t0
         timings["total"] = time.perf_counter() - start
         if executor.is_output_rank:
@@ -260,14 +263,22 @@ class VideoGenerator:
 
     # -- LoRA (distvideo.lora; docs/lora.md) ----------------------------------------------------
     def set_lora_adapter(
-        self, nickname: str, path: str | Path | None = None, strength: float = 1.0, accumulate: bool = False
+        self,
+        nickname: str,
+        path: str | Path | None = None,
+        strength: float = 1.0,
+        accumulate: bool = False,
+        *,
+        target: str = "transformer",
     ) -> None:
         """Load (and cache under `nickname`) a LoRA file, or switch to a cached one with path=None, and activate it
         merged into the weights: on top of the active adapters with accumulate=True, else replacing them. Every
-        rank loads and checks it first; on any failure no rank changes its weights and all raise the same error."""
+        rank loads and checks it first; on any failure no rank changes its weights and all raise the same error.
+        `target`: the transformer it changes ("transformer_2": the low-noise expert of Wan2.2 A14B, as diffusers'
+        ``load_into_transformer_2``); each transformer has its own active adapters."""
         from distvideo.lora.control import set_lora_adapter
 
-        set_lora_adapter(self.executor, nickname, path, strength, accumulate)
+        set_lora_adapter(self.executor, nickname, path, strength, accumulate, target)
 
     def unmerge_lora_weights(self) -> None:
         """Restore the exact base weights; the active adapters keep applying on the fly."""
@@ -281,6 +292,13 @@ class VideoGenerator:
 
         merge_weights(self.executor)
 
+    def remove_lora_adapter(self, nickname: str) -> None:
+        """Drop a cached adapter that is not active, on every rank (the cache also drops the least recently used
+        ones by itself beyond lora_cache_mb)."""
+        from distvideo.lora.control import remove_adapter
+
+        remove_adapter(self.executor, nickname)
+
     def clear_lora_adapters(self) -> None:
         """Deactivate every adapter; the weights become bit-identical to the base. Cached adapters stay."""
         from distvideo.lora.control import clear_adapters
@@ -288,13 +306,14 @@ class VideoGenerator:
         clear_adapters(self.executor)
 
     def _apply_lora_specs(self, specs: list[LoraSpec]) -> None:
-        """--lora / engine.lora: the first adapter replaces, the following ones stack; nicknames are file stems."""
+        """--lora / engine.lora: the first adapter replaces, the following ones stack (per target transformer);
+        nicknames are file stems."""
         taken: set[str] = set()
         for i, spec in enumerate(specs):
             stem = Path(spec.path).stem or "lora"
             nickname = stem if stem not in taken else f"{stem}#{i}"
             taken.add(nickname)
-            self.set_lora_adapter(nickname, spec.path, strength=spec.strength, accumulate=i > 0)
+            self.set_lora_adapter(nickname, spec.path, strength=spec.strength, accumulate=i > 0, target=spec.target)
 
     # -- life cycle ------------------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -307,6 +326,42 @@ class VideoGenerator:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _write_or_keep(frames: np.ndarray, target: Path, fps: int) -> Path:
+    """Write the video; if that fails after all (the disk filled up, the folder vanished), keep the frames: saved
+    beside the target as `<name>.frames.npy` (np.load), or, if even that fails, on the raised error."""
+    try:
+        return write_video(frames, target, fps=fps)
+    except Exception as exc:
+        fallback = target.with_name(f"{target.stem}.frames.npy")
+        try:
+            saved = write_array(frames, fallback)
+        except Exception:
+            raise VideoWriteError(
+                f"writing {target} failed ({type(exc).__name__}: {exc}) and so did saving the frames beside it; "
+                "the frames are on this error (.frames)",
+                None,
+                frames,
+            ) from exc
+        raise VideoWriteError(
+            f"writing {target} failed ({type(exc).__name__}: {exc}); the frames were saved to {saved} "
+            "(numpy.load) so the generation is not lost",
+            saved,
+            None,
+        ) from exc
+
+
+def _refusals_as_config_errors(run: Callable[[], Any]) -> Any:
+    """A request every failing rank refused as bad input (it does not fit their memory) is bad input: ConfigError,
+    exit 2, not a runtime failure."""
+    try:
+        return run()
+    except RankFailure as exc:
+        if exc.failures and all(kind == "ConfigError" for kind, _ in exc.failures.values()):
+            lines = [f"  rank {rank}: {message}" for rank, (_, message) in sorted(exc.failures.items())]
+            raise ConfigError("the request was refused:\n" + "\n".join(lines)) from exc
+        raise
 
 
 def _text_or_none(exc: BaseException | None) -> str | None:

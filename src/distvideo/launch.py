@@ -5,11 +5,27 @@ address from the launcher's environment variables, as a pure function of a mappi
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from distvideo import envs
+from distvideo.errors import LaunchEnvError
+from distvideo.slurm import expand_slurm_hostlist, first_slurm_host, parse_slurm_tasks_per_node, slurm_port_for_job
+
+__all__ = [
+    "LAUNCH_VARIABLES",
+    "LaunchEnv",
+    "LaunchEnvError",
+    "expand_slurm_hostlist",
+    "first_slurm_host",
+    "launcher_rank_present",
+    "parse_slurm_tasks_per_node",
+    "read_launch_environ",
+    "resolve_launch_env",
+    "slurm_port_for_job",
+    "torch_env_for",
+]
 
 # Each quantity comes from the first of its variables that is set and not blank. MPI comes before Slurm because
 # mpirun inside an sbatch script hands its ranks the batch step's SLURM_PROCID=0 and SLURM_NTASKS.
@@ -45,21 +61,7 @@ _LAUNCHER_OF_RANK_VARIABLE = {
 # here up is not a step that srun started.
 _FIRST_SPECIAL_SLURM_STEP_ID = 0xFFFFFFF0
 
-# The derived MASTER_PORT stays below Linux's ephemeral range (32768-60999) so it does not collide with the
-# source port of some outgoing connection on the rank-0 host.
-_SLURM_PORT_BASE = 20000
-_SLURM_PORT_SPAN = 12000
-
-# Slurm itself refuses larger ranges in a host list.
-_MAX_HOSTLIST_RANGE = 65536
-
 _INTEGER = re.compile(r"[+-]?[0-9]+")
-_TASKS_PER_NODE_ENTRY = re.compile(r"([0-9]+)(?:\(x([0-9]+)\))?")
-_RANGE_ITEM = re.compile(r"([0-9]+)(?:-([0-9]+))?")
-
-
-class LaunchEnvError(RuntimeError):
-    """The environment does not say where this process sits in a distributed job."""
 
 
 @dataclass(frozen=True)
@@ -107,142 +109,20 @@ def _read_int(environ: Mapping[str, str], names: Sequence[str]) -> _Source | Non
     return _Source(name, raw, _parse_int(name, raw))
 
 
-def parse_slurm_tasks_per_node(name: str, raw: str) -> int | None:
-    """Tasks per node from Slurm's ``N``, ``N(xM)`` or a comma list of those; None when the nodes differ.
+class _LocalWorld(NamedTuple):
+    """Processes on this node: `value` None when Slurm placed different task counts on different nodes."""
 
-    A list whose entries all have the same N (``2,2`` or ``2(x3),2``) counts as uniform N: Slurm writes runs of
-    equal counts as ``N(xM)``, but a list of equal counts means the same thing. ``name`` is only used in errors.
-    """
-    counts: set[int] = set()
-    for entry in raw.split(","):
-        match = _TASKS_PER_NODE_ENTRY.fullmatch(entry.strip())
-        if match is None or (match.group(2) is not None and int(match.group(2)) < 1):
-            raise ValueError(
-                f"{name}={raw!r} is not a Slurm tasks-per-node value; expected N, N(xM) or a comma list of "
-                "those, such as '4' or '2(x3),1'"
-            )
-        counts.add(int(match.group(1)))
-    return counts.pop() if len(counts) == 1 else None
+    name: str
+    raw: str
+    value: int | None
 
 
-def _slurm_tasks_per_node(environ: Mapping[str, str]) -> tuple[str, str, int | None] | None:
+def _slurm_tasks_per_node(environ: Mapping[str, str]) -> _LocalWorld | None:
     found = _first_set(environ, SLURM_TASKS_PER_NODE_VARIABLES)
     if found is None:
         return None
     name, raw = found
-    return name, raw, parse_slurm_tasks_per_node(name, raw)
-
-
-# --- Slurm host lists ----------------------------------------------------------------------------------------
-
-
-def _split_top_level(value: str) -> list[str]:
-    """Split at commas outside brackets: ``a[1,3],b`` is two hosts, not three."""
-    parts: list[str] = []
-    depth = 0
-    start = 0
-    for i, char in enumerate(value):
-        if char == "[":
-            depth += 1
-            if depth > 1:
-                raise ValueError(f"nested '[' in Slurm host list {value!r}")
-        elif char == "]":
-            depth -= 1
-            if depth < 0:
-                raise ValueError(f"']' without '[' in Slurm host list {value!r}")
-        elif char == "," and depth == 0:
-            parts.append(value[start:i])
-            start = i + 1
-    if depth != 0:
-        raise ValueError(f"'[' without ']' in Slurm host list {value!r}")
-    parts.append(value[start:])
-    return parts
-
-
-def _parse_bracket(body: str, value: str) -> list[tuple[int, int, int]]:
-    """``07-10,12`` -> [(7, 10, 2), (12, 12, 2)]: (low, high, digits to zero-pad to)."""
-    ranges: list[tuple[int, int, int]] = []
-    for item in body.split(","):
-        match = _RANGE_ITEM.fullmatch(item.strip())
-        if match is None:
-            raise ValueError(f"[{body}] in Slurm host list {value!r} is not a list of numbers and ranges like 1-4")
-        low_text, high_text = match.group(1), match.group(2)
-        low = int(low_text)
-        high = low if high_text is None else int(high_text)
-        if high < low:
-            raise ValueError(f"range {item.strip()} in Slurm host list {value!r} runs backwards")
-        if high - low >= _MAX_HOSTLIST_RANGE:
-            raise ValueError(f"range {item.strip()} in Slurm host list {value!r} is too large")
-        ranges.append((low, high, len(low_text)))
-    return ranges
-
-
-def _parse_pattern(pattern: str, value: str) -> list[str | list[tuple[int, int, int]]]:
-    """``gpu-a[01,03]x[1-2]`` -> ['gpu-a', [(1, 1, 2), (3, 3, 2)], 'x', [(1, 2, 1)]]."""
-    pieces: list[str | list[tuple[int, int, int]]] = []
-    for i, chunk in enumerate(re.split(r"[\[\]]", pattern)):
-        if i % 2 == 0:
-            if chunk:
-                pieces.append(chunk)
-        else:
-            pieces.append(_parse_bracket(chunk, value))
-    if not any(isinstance(piece, str) for piece in pieces):
-        raise ValueError(f"host pattern {pattern!r} in Slurm host list {value!r} has no name")
-    return pieces
-
-
-def _expand_pattern(pieces: Sequence[str | list[tuple[int, int, int]]]) -> Iterator[str]:
-    """Lazily, so the first host of a very large list costs nothing."""
-    if not pieces:
-        yield ""
-        return
-    head, rest = pieces[0], pieces[1:]
-    if isinstance(head, str):
-        heads: Iterator[str] = iter((head,))
-    else:
-        heads = (str(n).zfill(width) for low, high, width in head for n in range(low, high + 1))
-    for prefix in heads:
-        for suffix in _expand_pattern(rest):
-            yield prefix + suffix
-
-
-def _iter_slurm_hostlist(value: str) -> Iterator[str]:
-    text = value.strip()
-    if not text:
-        return
-    patterns = [pattern.strip() for pattern in _split_top_level(text)]
-    if any(not pattern for pattern in patterns):
-        raise ValueError(f"empty host name in Slurm host list {value!r}")
-    if any(char.isspace() for pattern in patterns for char in pattern):
-        raise ValueError(f"white space inside a host name in Slurm host list {value!r}")
-    parsed = [_parse_pattern(pattern, value) for pattern in patterns]  # reject a bad list before yielding anything
-    for pieces in parsed:
-        yield from _expand_pattern(pieces)
-
-
-def expand_slurm_hostlist(value: str) -> list[str]:
-    """Expand a Slurm compressed host list: ``gpu-a[01,03],gpu-b7`` -> ['gpu-a01', 'gpu-a03', 'gpu-b7'].
-
-    Ranges keep the zero padding of their low end (``n[07-10]`` -> n07..n10); several bracket groups in one name
-    give every combination in order (``a[1-2]b[3-4]`` -> a1b3, a1b4, a2b3, a2b4). Raises ValueError on a
-    malformed list; a blank value gives [].
-    """
-    return list(_iter_slurm_hostlist(value))
-
-
-def first_slurm_host(value: str) -> str:
-    """The first host of a Slurm compressed host list (``n[3-4]`` -> n3), without expanding the rest."""
-    for host in _iter_slurm_hostlist(value):
-        return host
-    raise ValueError(f"Slurm host list {value!r} names no host")
-
-
-def slurm_port_for_job(job_id: int) -> int:
-    """A rendezvous port every task of a Slurm job derives alike from its job id, without Python's salted hash."""
-    return _SLURM_PORT_BASE + job_id % _SLURM_PORT_SPAN
-
-
-# --- resolution ----------------------------------------------------------------------------------------------
+    return _LocalWorld(name, raw, parse_slurm_tasks_per_node(name, raw))
 
 
 def _master_addr(environ: Mapping[str, str], launcher: str | None) -> str | None:
@@ -297,22 +177,36 @@ def resolve_launch_env(environ: Mapping[str, str]) -> LaunchEnv:
     rank = _read_int(environ, RANK_VARIABLES)
     world = _read_int(environ, WORLD_SIZE_VARIABLES)
     local_rank = _read_int(environ, LOCAL_RANK_VARIABLES)
-    local_world = _read_int(environ, LOCAL_WORLD_SIZE_VARIABLES)
     launcher = None if rank is None else _LAUNCHER_OF_RANK_VARIABLE[rank.name]
-
-    local_world_name: str | None = None
-    local_world_raw = ""
-    local_world_size: int | None = None
-    if local_world is not None:
-        local_world_name, local_world_raw, local_world_size = local_world
-    else:
-        slurm_tasks = _slurm_tasks_per_node(environ)
-        if slurm_tasks is not None:
-            local_world_name, local_world_raw, local_world_size = slurm_tasks
-
+    local_size = _read_int(environ, LOCAL_WORLD_SIZE_VARIABLES)
+    local_world = _LocalWorld(*local_size) if local_size is not None else _slurm_tasks_per_node(environ)
     master_addr = _master_addr(environ, launcher)
     master_port = _master_port(environ)
+    _raise_if_missing(rank, world, local_rank, master_addr, master_port)
+    assert rank is not None and world is not None and master_addr is not None and master_port is not None
+    assert launcher is not None
+    if local_rank is None:  # only possible with world size 1
+        local_rank = _Source("LOCAL_RANK", "", 0)
+    _check_ranges(rank, world, local_rank, local_world, master_port)
+    return LaunchEnv(
+        rank=rank.value,
+        local_rank=local_rank.value,
+        world_size=world.value,
+        local_world_size=local_world.value if local_world is not None else None,
+        master_addr=master_addr,
+        master_port=master_port.value,
+        launcher=launcher,
+    )
 
+
+def _raise_if_missing(
+    rank: _Source | None,
+    world: _Source | None,
+    local_rank: _Source | None,
+    master_addr: str | None,
+    master_port: _Source | None,
+) -> None:
+    """One LaunchEnvError listing every quantity no variable gave."""
     missing: list[str] = []
     if rank is None:
         missing.append(_missing_line("rank", RANK_VARIABLES))
@@ -341,9 +235,12 @@ def resolve_launch_env(environ: Mapping[str, str]) -> LaunchEnv:
             + "\nLaunch it with torchrun, srun or mpirun, which set these; for ranks started by hand, set RANK, "
             "WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT yourself."
         )
-    assert rank is not None and world is not None and master_addr is not None and master_port is not None
-    assert launcher is not None
 
+
+def _check_ranges(
+    rank: _Source, world: _Source, local_rank: _Source, local_world: _LocalWorld | None, master_port: _Source
+) -> None:
+    """ValueError naming the variable when a value is out of its range."""
     if world.value < 1:
         raise ValueError(f"{world.name}={world.raw!r} is not a valid world size: it must be at least 1")
     if not 0 <= rank.value < world.value:
@@ -351,21 +248,19 @@ def resolve_launch_env(environ: Mapping[str, str]) -> LaunchEnv:
             f"{rank.name}={rank.raw!r} is out of range: with world size {world.value} (from {world.name}) a rank "
             f"must be between 0 and {world.value - 1}"
         )
-    if local_rank is None:  # only reached with world size 1
-        local_rank = _Source("LOCAL_RANK", "", 0)
     if local_rank.value < 0:
         raise ValueError(f"{local_rank.name}={local_rank.raw!r} is negative; a local rank is 0 or more")
-    if local_world_size is not None and local_world_size < 1:
+    local_size = local_world.value if local_world is not None else None
+    if local_world is not None and local_size is not None and local_size < 1:
         raise ValueError(
-            f"{local_world_name}={local_world_raw!r} gives {local_world_size} processes on this node; "
-            "it must be at least 1"
+            f"{local_world.name}={local_world.raw!r} gives {local_size} processes on this node; it must be at least 1"
         )
-    if local_world_size is not None and local_rank.value >= local_world_size:
+    if local_world is not None and local_size is not None and local_rank.value >= local_size:
         raise ValueError(
-            f"{local_rank.name}={local_rank.raw!r} is out of range: with {local_world_size} processes on this node "
-            f"(from {local_world_name}={local_world_raw!r}) a local rank must be between 0 and {local_world_size - 1}"
+            f"{local_rank.name}={local_rank.raw!r} is out of range: with {local_size} processes on this node "
+            f"(from {local_world.name}={local_world.raw!r}) a local rank must be between 0 and {local_size - 1}"
         )
-    if local_world_size is None and local_rank.value >= world.value:
+    if local_size is None and local_rank.value >= world.value:
         raise ValueError(
             f"{local_rank.name}={local_rank.raw!r} is out of range: with world size {world.value} (from "
             f"{world.name}) a local rank must be between 0 and {world.value - 1}"
@@ -375,15 +270,6 @@ def resolve_launch_env(environ: Mapping[str, str]) -> LaunchEnv:
             f"{master_port.name}={master_port.raw!r} is not a usable TCP port: it must be between 1 and 65535 "
             "(pick a free one such as 29500)"
         )
-    return LaunchEnv(
-        rank=rank.value,
-        local_rank=local_rank.value,
-        world_size=world.value,
-        local_world_size=local_world_size,
-        master_addr=master_addr,
-        master_port=master_port.value,
-        launcher=launcher,
-    )
 
 
 def _in_srun_step(environ: Mapping[str, str]) -> bool:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from distvideo import envs
 
-_state = {"rank": None, "configured": False}
+_state: dict[str, Any] = {"rank": None, "configured": False}
 
 
 class _RankFilter(logging.Filter):

@@ -8,26 +8,44 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
-import resource
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from distvideo import envs
-from distvideo.config import EngineConfig, GenerationRequest
+from distvideo.config import GenerationRequest
+from distvideo.devices import (
+    available_memory_bytes,
+    component_dtypes,
+    default_num_threads,
+    peak_memory_mb,
+    reset_peak_memory,
+    select_device,
+)
+from distvideo.engine import ResolvedEngine
+from distvideo.errors import ConfigError, GenerationCancelled
+from distvideo.launch import LaunchEnv
+from distvideo.models import compat
 from distvideo.models.loading import load_components
-from distvideo.models.registry import ModelInfo, probe_model
+from distvideo.models.memory import USABLE_FRACTION, estimate_request, fitting_size
+from distvideo.models.plans import apply_plans, speed_plans
+from distvideo.parallel.collectives import collective
+from distvideo.parallel.vae import decode_band_count
+from distvideo.pipelines.control import StepControl
+
+if TYPE_CHECKING:
+    from distvideo.lora.layers import LoraState
+    from distvideo.parallel.context import ParallelContext
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(frozen=True)
 class RankInfo:
-    """Where a worker sits: filled by the executor that creates it."""
+    """Where a worker sits: filled by the executor that creates it, through one of the constructors."""
 
     rank: int = 0
     local_rank: int = 0
@@ -35,6 +53,21 @@ class RankInfo:
     local_world_size: int | None = 1
     init_method: str | None = None  # None: no process group (a single rank)
     output_rank: int = 0
+
+    @classmethod
+    def single(cls) -> RankInfo:
+        """The only rank, in this process (the inline executor)."""
+        return cls()
+
+    @classmethod
+    def spawned(cls, rank: int, world_size: int, init_method: str) -> RankInfo:
+        """A rank the mp executor spawned on this machine (all ranks on one node)."""
+        return cls(rank, rank, world_size, world_size, init_method)
+
+    @classmethod
+    def launched(cls, env: LaunchEnv) -> RankInfo:
+        """A rank a launcher started (torchrun, srun, mpirun): the env:// rendezvous of its variables."""
+        return cls(env.rank, env.local_rank, env.world_size, env.local_world_size, "env://")
 
 
 @dataclass
@@ -45,52 +78,20 @@ class WorkerOutput:
     peak_memory_mb: float = 0.0
 
 
-def default_num_threads(local_world_size: int | None) -> int | None:
-    """Intra-op threads for one rank: DISTVIDEO_NUM_THREADS, else the user's OMP_NUM_THREADS, else
-    cores / ranks on this node. torchrun sets OMP_NUM_THREADS=1 itself, which is not the user's
-    choice, so under torchrun a value of 1 is overridden unless DISTVIDEO_NUM_THREADS says so."""
-    explicit = envs.get("DISTVIDEO_NUM_THREADS")
-    if explicit:
-        return int(explicit)
-    omp = envs.get("OMP_NUM_THREADS")
-    if omp and not (omp == "1" and envs.is_set("TORCHELASTIC_RUN_ID")):
-        return None  # the user's setting; torch already honours it
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // max(1, local_world_size or 1))
+@dataclass
+class ItemOutcome:
+    """One batch item, as its replica's output rank reports it: the output (frames included) or why it failed."""
+
+    index: int
+    replica: int
+    output: WorkerOutput | None = None
+    error_type: str = ""
+    error: str = ""
 
 
-def select_device(requested: str | None, local_rank: int) -> torch.device:
-    if requested:
-        return torch.device(requested)
-    if torch.cuda.is_available():
-        count = torch.cuda.device_count()
-        if local_rank < count:
-            return torch.device("cuda", local_rank)
-        if count == 1:
-            logger.info("local rank %d sees one GPU (per-task binding); using cuda:0", local_rank)
-            return torch.device("cuda", 0)
-        raise RuntimeError(
-            f"local rank {local_rank} has no GPU: {count} visible (CUDA_VISIBLE_DEVICES="
-            f"{envs.get_raw('CUDA_VISIBLE_DEVICES')!r}). Launch at most {count} ranks per node, or bind one GPU "
-            "per task (srun --gpus-per-task=1, or set CUDA_VISIBLE_DEVICES per rank)."
-        )
-    return torch.device("cpu")
-
-
-def component_dtypes(device: torch.device, dtype: str | None) -> dict[str, torch.dtype]:
-    """float32 on CPU; on GPUs bfloat16 for the transformer and text encoder and float32 for the VAE
-    (Wan's VAE is sensitive to reduced precision), unless `dtype` says otherwise."""
-    if dtype is not None:
-        main = getattr(torch, dtype)
-    else:
-        main = torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"transformer": main, "text_encoder": main, "vae": torch.float32}
-
-
-def peak_memory_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
+#: errors every rank of a replica raises together for one item (decided collectively): the item fails, the batch goes
+#: on. Anything else ends the batch (a rank alone in trouble leaves its replica's collectives hanging).
+ITEM_FAILURES = (ConfigError, GenerationCancelled)
 
 
 _process_groups_created = 0  # in this process; every rank creates the same sequence, so the numbers agree
@@ -109,22 +110,41 @@ def rendezvous_store(init_method: str, rank: int, world_size: int, timeout: time
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, rank_info: RankInfo, *, model_info: ModelInfo | None = None):
-        self.config = config
+    def __init__(self, engine: ResolvedEngine, rank_info: RankInfo):
+        self.engine = engine
+        self.config = engine.config
+        self.model_info = engine.model
         self.rank_info = rank_info
         self.rank = rank_info.rank
         self.local_rank = rank_info.local_rank
         self.world_size = rank_info.world_size
-        self.device = select_device(config.device, rank_info.local_rank)
-        self.model_info = model_info
+        self.device = select_device(engine.config.device, rank_info.local_rank)
         self.pipeline: Any = None
         self.process_group_initialized = False
         self.cpu_group: Any = None  # gloo group for control messages (the default group on CPU)
-        self.parallel: Any = None  # distvideo.parallel.context.ParallelContext when world_size > 1
+        self.parallel: ParallelContext | None = None  # when world_size > 1
+        self.lora: dict[str, LoraState] = {}  # this rank's adapters per transformer (distvideo.lora.rank)
+        self._undo_plans: Callable[[], None] | None = None
 
     @property
     def is_output_rank(self) -> bool:
-        return self.rank == self.rank_info.output_rank
+        """Whether this rank holds its replica's frames (with one replica: the world's output rank)."""
+        return self.engine.layout.replica_rank(self.rank) == 0
+
+    @property
+    def replica(self) -> int:
+        return self.engine.layout.replica(self.rank)
+
+    @property
+    def replica_group(self) -> Any:
+        """The CPU group of the ranks that run a request together: this rank's replica (None: a single rank)."""
+        if self.parallel is None or self.engine.layout.replica_size == 1:
+            return None
+        return self.parallel.replica_group
+
+    @property
+    def timeout(self) -> timedelta | None:
+        return timedelta(seconds=self.config.dist_timeout) if self.config.dist_timeout else None
 
     # -- life cycle ------------------------------------------------------------------------------
     def init_device(self) -> None:
@@ -134,48 +154,52 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         if self.rank_info.init_method is not None and not torch.distributed.is_initialized():
-            timeout = timedelta(seconds=self.config.dist_timeout) if self.config.dist_timeout else None
             backend = "nccl" if self.device.type == "cuda" else "gloo"
-            kwargs: dict[str, Any] = {}
-            if self.device.type == "cuda":
-                kwargs["device_id"] = self.device
-            torch.distributed.init_process_group(
-                backend=backend,
-                store=rendezvous_store(self.rank_info.init_method, self.rank, self.world_size, timeout),
-                rank=self.rank,
-                world_size=self.world_size,
-                timeout=timeout,
-                **kwargs,
-            )
-            self.process_group_initialized = True
-            if backend == "gloo":
-                self.cpu_group = torch.distributed.group.WORLD
-            else:
-                self.cpu_group = torch.distributed.new_group(backend="gloo", timeout=timeout)
+            kwargs: dict[str, Any] = {"device_id": self.device} if self.device.type == "cuda" else {}
+            with collective("joining the process group"):
+                torch.distributed.init_process_group(
+                    backend=backend,
+                    store=rendezvous_store(self.rank_info.init_method, self.rank, self.world_size, self.timeout),
+                    rank=self.rank,
+                    world_size=self.world_size,
+                    timeout=self.timeout,
+                    **kwargs,
+                )
+                self.process_group_initialized = True
+                if backend == "gloo":
+                    self.cpu_group = torch.distributed.group.WORLD
+                else:
+                    self.cpu_group = torch.distributed.new_group(backend="gloo", timeout=self.timeout)
         if self.world_size > 1:  # the layout's process groups, once, right after the default group
             from distvideo.parallel.context import ParallelContext
 
-            heads = self.model_info.num_attention_heads if self.model_info is not None else None
-            self.parallel = ParallelContext.create(
-                self.config,
-                world_size=self.world_size,
-                num_heads=heads,
-                device=self.device,
-                timeout=timedelta(seconds=self.config.dist_timeout) if self.config.dist_timeout else None,
-            )
+            self.parallel = ParallelContext.create(self.engine.layout, device=self.device, timeout=self.timeout)
         logger.debug("rank %d: device %s, %d threads", self.rank, self.device, torch.get_num_threads())
 
     def load_model(self) -> None:
+        """Load the components, apply every plan (the one place modules are changed), build the pipeline."""
         from distvideo.pipelines import PIPELINES
 
-        info = self.model_info or probe_model(str(self.config.model))
-        self.model_info = info
-        components = load_components(info, component_dtypes(self.device, self.config.dtype))
-        if self.parallel is not None:
-            self.parallel.apply_plans(components)  # Ulysses on the transformer, banded decode on the VAE
-        pipeline_cls = PIPELINES[info.family.pipeline]
-        show = self.is_output_rank and not envs.get("DISTVIDEO_NO_PROGRESS")
-        self.pipeline = pipeline_cls(components, self.device, show_progress=show, parallel=self.parallel)
+        model = self.model_info
+        components = load_components(
+            model,
+            component_dtypes(self.device, self.config.dtype),
+            allow_pickle_weights=bool(self.config.allow_pickle_weights),
+        )
+        transformers = model.family.transformers
+        plans = [
+            *(self.parallel.plans(transformers) if self.parallel is not None else []),
+            *speed_plans(self.config, model),
+        ]
+        self._undo_plans = apply_plans(components, plans)
+        pipeline_cls = PIPELINES[model.family.pipeline]
+        self.pipeline = pipeline_cls(
+            components,
+            self.device,
+            model,
+            show_progress=bool(self.config.progress) and self.is_output_rank,
+            parallel=self.parallel,
+        )
 
     def shutdown(self, *, broken: bool = False) -> None:
         """Release the pipeline and the process groups. `broken`: a collective failed (a peer died, timed out or left),
@@ -185,13 +209,15 @@ class Worker:
         self.pipeline = None
         self.cpu_group = None
         self.parallel = None
+        self.lora = {}
+        self._undo_plans = None
         if self.process_group_initialized and torch.distributed.is_initialized():
             if not broken:
                 torch.distributed.destroy_process_group()
                 logger.debug("rank %d: process group destroyed", self.rank)
             else:
                 try:
-                    abort = getattr(torch.distributed.distributed_c10d, "_abort_process_group", None)
+                    abort = compat.abort_process_group()
                     if self.device.type == "cuda" and abort is not None:
                         abort()
                     else:
@@ -203,19 +229,104 @@ class Worker:
         self.process_group_initialized = False
 
     # -- calls -----------------------------------------------------------------------------------
-    def execute_forward(self, request: GenerationRequest, show_progress: bool | None = None) -> WorkerOutput:
+    def execute_forward(
+        self,
+        request: GenerationRequest,
+        *,
+        on_progress: Callable[[int, int], None] | None = None,
+        cancelled: Callable[[], bool] | None = None,
+    ) -> WorkerOutput:
+        """Run one request. Between denoising steps `on_progress(done, total)` is called and the request stops on
+        every rank alike when it passed its request_timeout or `cancelled()` says so on any rank."""
+        if self.replica != 0:  # a single request runs on the first replica; batches give every replica its share
+            return WorkerOutput(rank=self.rank, frames=None)
+        return self._forward(request, on_progress=on_progress, cancelled=cancelled)
+
+    def _forward(
+        self,
+        request: GenerationRequest,
+        *,
+        on_progress: Callable[[int, int], None] | None,
+        cancelled: Callable[[], bool] | None,
+    ) -> WorkerOutput:
         if self.pipeline is None:
             raise RuntimeError("the worker has no model loaded (was it shut down?)")
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-        if show_progress is not None:
-            self.pipeline.show_progress = show_progress and self.is_output_rank
-        batch = self.pipeline(request)
-        frames = batch.frames if ((self.is_output_rank and request.return_frames) or request.save_video) else None
-        if not self.is_output_rank:
-            frames = None
+        self._refuse_if_it_cannot_fit(request)
+        reset_peak_memory(self.device)
+        control = StepControl(
+            timeout=request.request_timeout,
+            cancelled=cancelled,
+            on_progress=on_progress,
+            group=self.replica_group,
+        )
+        batch = self.pipeline(request, control)
+        keep = self.is_output_rank and (request.return_frames or request.save_video)
         return WorkerOutput(
-            rank=self.rank, frames=frames, timings=batch.timings, peak_memory_mb=peak_memory_mb(self.device)
+            rank=self.rank,
+            frames=batch.frames if keep else None,
+            timings=batch.timings,
+            peak_memory_mb=peak_memory_mb(self.device),
+        )
+
+    def execute_batch(
+        self,
+        shares: list[list[tuple[int, GenerationRequest]]],
+        report: Callable[[ItemOutcome], None],
+        cancelled: Callable[[], bool] | None = None,
+    ) -> int:
+        """Run this rank's replica's share of a batch, in order; its output rank calls `report` after every item.
+        Returns how many items this replica ran."""
+        share = shares[self.replica] if self.replica < len(shares) else []
+        for index, request in share:
+            try:
+                output = self._forward(request, on_progress=None, cancelled=cancelled)
+                outcome = ItemOutcome(index=index, replica=self.replica, output=output)
+            except ITEM_FAILURES as exc:
+                outcome = ItemOutcome(index, self.replica, error_type=type(exc).__name__, error=str(exc))
+            if self.is_output_rank:
+                report(outcome)
+        return len(share)
+
+    def _refuse_if_it_cannot_fit(self, request: GenerationRequest) -> None:
+        """ConfigError before any work when the request's activations would not fit this rank's memory (every rank
+        on a CPU node shares the machine's RAM). The ranks decide together: where one refuses, all do."""
+        layout = self.engine.layout
+        bands = 1
+        if self.parallel is not None:
+            _, _, _, latent_rows, _ = self.model_info.latent_shape(request)
+            bands = decode_band_count(latent_rows, layout.replica_size)
+        dtype = component_dtypes(self.device, self.config.dtype)["transformer"]
+        # the output rank's share (it also holds the video), on every rank: the same decision everywhere
+        estimate = estimate_request(
+            self.model_info,
+            request,
+            sp_size=layout.sp_size,
+            decode_bands=bands,
+            dtype_bytes=torch.empty((), dtype=dtype).element_size(),
+        )
+        sharing = (self.rank_info.local_world_size or 1) if self.device.type == "cpu" else 1
+        limit = int(USABLE_FRACTION * available_memory_bytes(self.device))
+        refuse = estimate.total * sharing > limit
+        group = self.replica_group
+        if group is not None:
+            flag = torch.tensor([int(refuse)], dtype=torch.int32)
+            flags = [torch.zeros_like(flag) for _ in range(layout.replica_size)]
+            with collective("the memory check of a request"):
+                torch.distributed.all_gather(flags, flag, group=group)
+            first = layout.output_ranks()[self.replica]
+            refusing = [first + r for r, f in enumerate(flags) if int(f)]
+            if refusing and not refuse:
+                raise ConfigError(f"the request does not fit the memory of rank(s) {refusing} (see their message)")
+        if not refuse:
+            return
+        height, width = fitting_size(self.model_info, request, estimate.total * sharing, limit)
+        where = f"{sharing} ranks share this machine's RAM" if sharing > 1 else f"on {self.device}"
+        raise ConfigError(
+            f"the request ({request.num_frames} frames of {request.width}x{request.height}) needs "
+            f"{estimate.describe()} per rank ({where}), more than the {limit / 2**30:.2f} GiB this rank can use "
+            f"({int(USABLE_FRACTION * 100)}% of the memory available now). It would fit at about {width}x{height}; or "
+            "spread the decode over more ranks (the banded decode divides its memory by the number of ranks), or use "
+            "a machine with more memory."
         )
 
     def execute_method(self, method: Any, *args: Any, **kwargs: Any) -> Any:

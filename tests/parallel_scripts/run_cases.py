@@ -7,10 +7,9 @@ CASES_JSON holds a list of engines, each {"name", "model", "sp_size", "cfg_paral
 them all). Rank 0 saves each request's frames as OUT_DIR/<engine>-<request>.npy and writes OUT_DIR/report.json with
 the collectives counted per request: real calls of torch.distributed.all_to_all_single (patched here) and the plans'
 own counters. An engine may also ask for "decode_checks": latent shapes decoded with the banded decoder and on one
-rank, whose float difference goes into the report; and for "text_check": the largest difference between the
-embeddings of the "local" and "broadcast" text-encoding strategies, per rank; and for "tiling_checks": latent shapes
-decoded with diffusers' tiled decode enabled (small tiles, so it tiles), where the banded decoder must fall back to
-rank 0 alone: the float difference from a plain tiled decode, the halo exchanges and gathers made, per rank.
+rank, whose float difference goes into the report; and for "tiling_checks": latent shapes decoded with diffusers'
+tiled decode enabled (small tiles, so it tiles), where the banded decoder must fall back to rank 0 alone: the float
+difference from a plain tiled decode, the halo exchanges and gathers made, per rank.
 """
 
 from __future__ import annotations
@@ -92,24 +91,6 @@ def tiling_check(worker: Any, shape: list[int], seed: int) -> tuple[float | None
     return float((parallel - single).abs().max()), *made
 
 
-def text_check(worker: Any) -> float:
-    """Max abs difference between the embeddings each strategy gives this rank (where both give one)."""
-    from distvideo.config import GenerationRequest
-    from distvideo.pipelines.wan import WanBatch
-
-    request = GenerationRequest(prompt="a red fox", negative_prompt="blurry", guidance_scale=5.0)
-    embeds = {}
-    for strategy in ("local", "broadcast"):
-        worker.parallel.text_encoding = strategy
-        batch = WanBatch(request=request, do_cfg=True)
-        worker.pipeline.encode_text(batch)
-        embeds[strategy] = (batch.prompt_embeds, batch.negative_prompt_embeds)
-    worker.parallel.text_encoding = "local"
-    pairs = [(a, b) for a, b in zip(*embeds.values(), strict=True) if a is not None]
-    assert pairs, "this rank encoded nothing"
-    return max(float((a - b).abs().max()) for a, b in pairs)
-
-
 def main() -> None:
     cases = json.loads(Path(sys.argv[1]).read_text())
     out = Path(sys.argv[2])
@@ -136,8 +117,6 @@ def main() -> None:
                 }
                 if gen.is_output_rank:
                     np.save(out / f"{key}.npy", res.frames)
-            if case.get("text_check"):
-                report[f"{case['name']}-text"] = gen.collective_rpc(text_check)
             for i, shape in enumerate(case.get("decode_checks", [])):
                 report[f"{case['name']}-decode{i}"] = gen.collective_rpc(decode_check, args=(shape, i))
             for i, shape in enumerate(case.get("tiling_checks", [])):

@@ -1,5 +1,15 @@
 """Executors: how ranks exist (in process, spawned, or started by a launcher) and how one call reaches all."""
 
-from distvideo.executors.base import Executor, RankFailure, RankStatus, collective_error
+from distvideo.errors import RankFailure
+from distvideo.executors.base import Executor, RankStatus, collective_error
+from distvideo.executors.select import choose_executor, create_executor, resolve_engine
 
-__all__ = ["Executor", "RankFailure", "RankStatus", "collective_error"]
+__all__ = [
+    "Executor",
+    "RankFailure",
+    "RankStatus",
+    "choose_executor",
+    "collective_error",
+    "create_executor",
+    "resolve_engine",
+]

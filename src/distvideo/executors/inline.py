@@ -5,16 +5,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from distvideo.config import EngineConfig
-from distvideo.executors.base import Executor, collective_error, run_guarded
-from distvideo.models.registry import ModelInfo
-from distvideo.worker import RankInfo, Worker
+from distvideo.config import GenerationRequest
+from distvideo.engine import ResolvedEngine
+from distvideo.executors.base import Executor, RequestIds, collective_error, run_guarded
+from distvideo.worker import RankInfo, Worker, WorkerOutput
 
 
 class InlineExecutor(Executor):
-    def __init__(self, config: EngineConfig, model_info: ModelInfo):
+    def __init__(self, engine: ResolvedEngine):
         self.world_size = 1
-        self.worker: Worker | None = Worker(config, RankInfo(), model_info=model_info)
+        self._requests = RequestIds()
+        self.worker: Worker | None = Worker(engine, RankInfo.single())
         try:
             self.worker.init_device()
             self.worker.load_model()
@@ -42,6 +43,22 @@ class InlineExecutor(Executor):
         if error is not None:
             raise error from status.exception
         return [status.result]
+
+    def execute_forward(
+        self, request: GenerationRequest, on_progress: Callable[[int, int], None] | None = None
+    ) -> WorkerOutput:
+        with self._requests.running() as cancelled:
+            results = self.collective_rpc(
+                "execute_forward", args=(request,), kwargs={"on_progress": on_progress, "cancelled": cancelled}
+            )
+        return results[0]
+
+    def execute_batch(self, shares: list[list[tuple[int, GenerationRequest]]], on_item: Callable[[Any], None]) -> None:
+        with self._requests.running() as cancelled:
+            self.collective_rpc("execute_batch", args=(shares, on_item), kwargs={"cancelled": cancelled})
+
+    def cancel(self) -> None:
+        self._requests.cancel()
 
     def shutdown(self) -> None:
         if self.worker is not None:

@@ -5,8 +5,8 @@ a weight; only when every rank succeeded, and all of them read the same bytes, d
 weights. Otherwise every rank drops what it prepared and raises the same error naming the failing ranks. A change
 that fails in phase 2 (or a merge/unmerge/clear that fails) on some rank is rolled back on every rank.
 
-`executor` is duck-typed (`collective_rpc`, `ensure_consistent`, `world_size`, `is_output_rank`): this package sits
-below the executors and imports nothing from them.
+`executor` is a :class:`~distvideo.lora.protocols.LoraExecutor` (`collective_rpc`, `ensure_consistent`, `world_size`,
+`is_output_rank`): this package sits below the executors and imports nothing from them.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 
 from distvideo.lora import rank as on_rank
 from distvideo.lora.formats import LoraError
+from distvideo.lora.protocols import LoraExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -39,11 +40,25 @@ def check_arguments(nickname: Any, path: Any, strength: Any, accumulate: Any) ->
     return nickname, resolved, float(strength), accumulate
 
 
+def check_target(nickname: Any, target: Any) -> None:
+    if target not in on_rank.TARGETS:
+        raise LoraError(
+            f"set_lora_adapter({nickname!r}): target must be one of {', '.join(on_rank.TARGETS)} (transformer_2: "
+            f"Wan2.2 A14B's low-noise expert), got {target!r}"
+        )
+
+
 def set_lora_adapter(
-    executor: Any, nickname: str, path: str | os.PathLike[str] | None, strength: float, accumulate: bool
+    executor: LoraExecutor,
+    nickname: str,
+    path: str | os.PathLike[str] | None,
+    strength: float,
+    accumulate: bool,
+    target: str = "transformer",
 ) -> None:
     try:
         checked, invalid = check_arguments(nickname, path, strength, accumulate), None
+        check_target(nickname, target)
     except LoraError as exc:
         checked, invalid = None, exc
     if checked is not None:
@@ -58,15 +73,18 @@ def set_lora_adapter(
             "nickname": nickname,
             "strength": strength,
             "accumulate": accumulate,
+            "target": target,
             "loads_file": path is not None,
             "invalid_arguments": None if invalid is None else str(invalid),
         },
     )
     if invalid is not None:
         raise invalid
-    what = f"set_lora_adapter({nickname!r})"
+    what = f"set_lora_adapter({nickname!r})" if target == "transformer" else f"set_lora_adapter({nickname!r}, {target})"
     try:
-        described = executor.collective_rpc(on_rank.prepare_adapter, args=(nickname, resolved, strength, accumulate))
+        described = executor.collective_rpc(
+            on_rank.prepare_adapter, args=(nickname, resolved, strength, accumulate, target)
+        )
     except Exception as exc:
         _abort(executor)
         user_error = _user_error(exc, what, executor.world_size)
@@ -80,11 +98,14 @@ def set_lora_adapter(
         lines.append("Give every rank the same adapter file (the same bytes; the paths may differ).")
         raise LoraError("\n".join(lines))
     state = _transition(executor, on_rank.commit_adapter, what)
+    if target != "transformer":
+        state = state[target]
     if executor.is_output_rank:
         d = described[0]
         logger.info(
-            "LoRA %r active at strength %g (%d layers, rank %d, %s)%s: %s",
+            "LoRA %r active%s at strength %g (%d layers, rank %d, %s)%s: %s",
             nickname,
+            "" if target == "transformer" else f" on {target}",
             strength,
             d["layers"],
             d["rank"],
@@ -94,24 +115,38 @@ def set_lora_adapter(
         )
 
 
-def merge_weights(executor: Any) -> None:
+def merge_weights(executor: LoraExecutor) -> None:
     _change(executor, "merge_lora_weights", on_rank.merge_weights)
 
 
-def unmerge_weights(executor: Any) -> None:
+def unmerge_weights(executor: LoraExecutor) -> None:
     _change(executor, "unmerge_lora_weights", on_rank.unmerge_weights)
 
 
-def clear_adapters(executor: Any) -> None:
+def clear_adapters(executor: LoraExecutor) -> None:
     _change(executor, "clear_lora_adapters", on_rank.clear_adapters)
 
 
-def _change(executor: Any, what: str, fn: Callable[..., Any]) -> None:
+def remove_adapter(executor: LoraExecutor, nickname: str) -> None:
+    """Drop a cached, inactive adapter on every rank (no weights change)."""
+    if not isinstance(nickname, str):
+        raise LoraError(f"remove_lora_adapter: nickname must be a text, got {nickname!r}")
+    executor.ensure_consistent("remove_lora_adapter", {"call": "remove_lora_adapter", "nickname": nickname})
+    try:
+        executor.collective_rpc(on_rank.remove_adapter, args=(nickname,))
+    except Exception as exc:
+        user_error = _user_error(exc, f"remove_lora_adapter({nickname!r})", executor.world_size)
+        if user_error is None:
+            raise
+        raise user_error from exc
+
+
+def _change(executor: LoraExecutor, what: str, fn: Callable[..., Any]) -> None:
     executor.ensure_consistent(what, {"call": what})
     _transition(executor, fn, what)
 
 
-def _transition(executor: Any, fn: Callable[..., Any], what: str) -> dict[str, Any]:
+def _transition(executor: LoraExecutor, fn: Callable[..., Any], what: str) -> dict[str, Any]:
     """Run a weight-changing step on every rank; if it fails anywhere, every rank returns to its previous state."""
     try:
         results = executor.collective_rpc(fn)
@@ -127,7 +162,7 @@ def _transition(executor: Any, fn: Callable[..., Any], what: str) -> dict[str, A
     return results[0]
 
 
-def _abort(executor: Any) -> None:
+def _abort(executor: LoraExecutor) -> None:
     try:
         executor.collective_rpc(on_rank.abort_adapter)
     except Exception:  # a rank that cannot even drop its prepared state is gone; the first error says why

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from distvideo.config import ConfigError
+from distvideo.errors import LoraError
 
 logger = logging.getLogger(__name__)
 
@@ -68,11 +68,6 @@ WAN_FIXED_NAMES = {
     "img_emb.proj.3": "condition_embedder.image_embedder.ff.net.2",
 }
 _MUSUBI_BLOCK = re.compile(r"blocks_(\d+)_(self_attn|cross_attn)_(q|k|v|o|k_img|v_img)|blocks_(\d+)_ffn_(0|2)")
-
-
-class LoraError(ConfigError):
-    """A LoRA file that cannot be used with this model (missing, unreadable, for another model), or a LoRA call
-    with bad arguments. A user mistake: the CLI exits with code 2."""
 
 
 @dataclass
@@ -231,6 +226,11 @@ def parse_lora_state_dict(
             skipped.append(key)  # diffusers drops these too: published files hold zeros there
             continue
         weights = layers.setdefault(layer, LoraLayerWeights())
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise LoraError(
+                f"LoRA file {source!r}: {key} holds NaN or infinite values; the adapter would turn every frame into "
+                "noise or black. The file is corrupt or was saved from a diverged training run."
+            )
         if kind == "alpha":
             if tensor.numel() != 1:
                 raise LoraError(
@@ -255,9 +255,11 @@ def parse_lora_state_dict(
         if weights.down is None and weights.diff is None and weights.bias is None:
             raise LoraError(f"LoRA file {source!r}: layer {layer} has an alpha but no LoRA matrices")
         if weights.down is not None and weights.up is not None:
-            if weights.down.dim() != 2 or weights.up.dim() != 2 or weights.down.shape[0] != weights.up.shape[1]:
+            down, up = weights.down, weights.up
+            if down.dim() != 2 or up.dim() != 2 or down.shape[0] != up.shape[1] or down.shape[0] == 0:
                 raise LoraError(
-                    f"LoRA file {source!r}: layer {layer} has lora_A of shape {tuple(weights.down.shape)} and lora_B "
-                    f"of shape {tuple(weights.up.shape)}; expected (rank, in_features) and (out_features, rank)"
+                    f"LoRA file {source!r}: layer {layer} has lora_A of shape {tuple(down.shape)} and lora_B "
+                    f"of shape {tuple(up.shape)}; expected (rank, in_features) and (out_features, rank) with the same "
+                    "rank of at least 1"
                 )
     return layers, skipped

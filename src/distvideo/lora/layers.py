@@ -36,6 +36,11 @@ class LoraAdapter:
     def rank(self) -> int:
         return max((w.rank for w in self.layers.values()), default=0)
 
+    @property
+    def nbytes(self) -> int:
+        tensors = [t for w in self.layers.values() for t in (w.down, w.up, w.diff, w.bias) if t is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     def describe(self) -> dict[str, Any]:
         return {
             "nickname": self.nickname,
@@ -134,6 +139,12 @@ class _OnTheFly:
 
     def __call__(self, module: nn.Module, inputs: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
         x = inputs[0].to(torch.float32)
+        if self.terms and _term_device(self.terms[0]) != x.device:  # the layer moved (an expert swapped on CUDA)
+            device = x.device
+            self.terms = [
+                _Term(_to(t.down, device), _to(t.up, device), _to(t.diff, device), _to(t.bias, device), t.scale)
+                for t in self.terms
+            ]
         extra: torch.Tensor | None = None
         for t in self.terms:
             part = F.linear(F.linear(x, t.down), t.up) if t.down is not None and t.up is not None else None
@@ -148,6 +159,15 @@ class _OnTheFly:
         return output if extra is None else output + extra.to(output.dtype)
 
 
+def _term_device(term: _Term) -> torch.device | None:
+    first = next((v for v in (term.down, term.up, term.diff, term.bias) if v is not None), None)
+    return first.device if first is not None else None
+
+
+def _to(x: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return x.to(device) if x is not None else None
+
+
 @dataclass
 class LoraState:
     """The LoRA state of one model on one rank: cached adapters, the active ones, merged or applied on the fly."""
@@ -158,6 +178,7 @@ class LoraState:
     active: list[tuple[str, float]] = field(default_factory=list)  # (nickname, strength), in stacking order
     merged: bool = True
     pending: _Pending | None = None
+    cache_bytes: int = 1024 * 2**20  # LRU limit of the adapter cache (active adapters always stay)
     _base: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)  # CPU copies
     _hooks: list[Any] = field(default_factory=list)
     _undo: _Undo | None = None
@@ -209,9 +230,37 @@ class LoraState:
             raise RuntimeError("no prepared LoRA change to commit (prepare failed or was aborted)")
         pending, self.pending = self.pending, None
         cache = dict(self.cache)
-        if pending.adapter is not None:
-            cache[pending.nickname] = pending.adapter
-        self.transition(pending.active, merged=True, cache=cache)
+        adapter = pending.adapter if pending.adapter is not None else cache.pop(pending.nickname)
+        cache[pending.nickname] = adapter  # the most recently used last
+        self.transition(pending.active, merged=True, cache=self._bounded(cache, pending.active))
+
+    def _bounded(self, cache: dict[str, LoraAdapter], active: list[tuple[str, float]]) -> dict[str, LoraAdapter]:
+        """The cache within `cache_bytes`: the least recently used adapters that are not active are dropped."""
+        keep = {nickname for nickname, _ in active}
+        bounded = dict(cache)
+        for nickname in list(bounded):
+            if sum(a.nbytes for a in bounded.values()) <= self.cache_bytes:
+                break
+            if nickname not in keep:
+                del bounded[nickname]
+                logger.info(
+                    "LoRA adapter %r dropped from the cache (least recently used; cache limit %d MiB)",
+                    nickname,
+                    self.cache_bytes // 2**20,
+                )
+        return bounded
+
+    def remove(self, nickname: str) -> None:
+        """Drop a cached adapter that is not active (no weight changes)."""
+        if nickname not in self.cache:
+            cached = ", ".join(repr(n) for n in self.cache) or "none"
+            raise LoraError(f"remove_lora_adapter({nickname!r}): no such adapter is cached (cached: {cached})")
+        if any(n == nickname for n, _ in self.active):
+            raise LoraError(
+                f"remove_lora_adapter({nickname!r}): the adapter is active; switch to another one or call "
+                "clear_lora_adapters() first"
+            )
+        del self.cache[nickname]
 
     def transition(
         self, active: list[tuple[str, float]], *, merged: bool, cache: dict[str, LoraAdapter] | None = None
@@ -228,6 +277,11 @@ class LoraState:
             self._restore_state(undo)
             raise
         self._undo = undo
+
+    def forget_undo(self) -> None:
+        """Drop what `rollback` would undo: a transition on another model of the same worker is about to happen, and
+        a rollback after it must not undo an older change of this one."""
+        self._undo = None
 
     def rollback(self) -> None:
         """Undo the last transition (after it failed on another rank); a no-op when there is none."""

@@ -22,6 +22,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from distvideo.models import compat
+
 
 def onednn_available() -> bool:
     return bool(torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled)
@@ -39,11 +41,11 @@ def _fast_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def use_onednn_conv3d(module: nn.Module) -> Callable[[], None]:
     """Route every zero-padded ``nn.Conv3d`` under `module` to oneDNN on CPU float32; returns the undo."""
-    patched: list[nn.Conv3d] = []
+    undo: list[Callable[[], None]] = []
     for conv in module.modules():
-        if not isinstance(conv, nn.Conv3d) or conv.padding_mode != "zeros" or "_conv_forward" in vars(conv):
+        if not isinstance(conv, nn.Conv3d) or conv.padding_mode != "zeros" or compat.conv_forward_is_patched(conv):
             continue
-        original = conv._conv_forward
+        original = compat.conv_forward(conv)
 
         def conv_forward(
             x: torch.Tensor,
@@ -58,13 +60,12 @@ def use_onednn_conv3d(module: nn.Module) -> Callable[[], None]:
                 x.contiguous(), weight, bias, conv.padding, conv.stride, conv.dilation, conv.groups
             )
 
-        conv._conv_forward = conv_forward  # type: ignore[method-assign]
-        patched.append(conv)
+        undo.append(compat.patch_conv_forward(conv, conv_forward))
 
     def restore() -> None:
-        for conv in patched:
-            del conv._conv_forward
-        patched.clear()
+        for step in undo:
+            step()
+        undo.clear()
 
     return restore
 
@@ -72,24 +73,24 @@ def use_onednn_conv3d(module: nn.Module) -> Callable[[], None]:
 def _fast_rms_norm(norm: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     """WanRMS_norm.forward: ``F.normalize`` (x / max(||x||, 1e-12)) as a sum of squares and an rsqrt on CPU."""
     original = norm.forward
-    dim = 1 if norm.channel_first else -1
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             return original(x)
+        dim, scale, gamma, bias = compat.rms_norm_parts(norm)
         xf = x if x.dtype == torch.float32 else x.float()  # diffusers normalises half precision in float32 too
         inverse = (xf * xf).sum(dim, keepdim=True).clamp_min_(1e-24).rsqrt_()
         if x.dtype != torch.float32:
-            return (xf * inverse).to(x.dtype) * norm.scale * norm.gamma + norm.bias
-        out = (xf * inverse).mul_(norm.gamma * norm.scale)  # one full-size product fewer than diffusers' order
-        return out.add_(norm.bias) if isinstance(norm.bias, torch.Tensor) else out
+            return (xf * inverse).to(x.dtype) * scale * gamma + bias
+        out = (xf * inverse).mul_(gamma * scale)  # one full-size product fewer than diffusers' order
+        return out.add_(bias) if isinstance(bias, torch.Tensor) else out
 
     return forward
 
 
 def use_fast_rms_norms(module: nn.Module) -> Callable[[], None]:
     """Patch every diffusers ``WanRMS_norm`` under `module` (see the module docstring); returns the undo."""
-    patched = [m for m in module.modules() if type(m).__name__ == "WanRMS_norm" and "forward" not in vars(m)]
+    patched = [m for m in module.modules() if compat.is_wan_rms_norm(m) and "forward" not in vars(m)]
     for norm in patched:
         norm.forward = _fast_rms_norm(norm)  # type: ignore[method-assign]
 

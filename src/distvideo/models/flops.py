@@ -31,7 +31,12 @@ WAN_TRANSFORMER_DEFAULTS: dict[str, Any] = {
 
 
 def wan_transformer_flops_breakdown(
-    config: Mapping[str, Any], latent_shape: Sequence[int], text_len: int
+    config: Mapping[str, Any],
+    latent_shape: Sequence[int],
+    text_len: int,
+    *,
+    image_len: int = 0,
+    per_token_timesteps: bool = False,
 ) -> dict[str, int]:
     """Matmul FLOPs of one ``WanTransformer3DModel`` forward, by part.
 
@@ -52,11 +57,18 @@ def wan_transformer_flops_breakdown(
     - per block, ``ffn``: two linears D -> ffn_dim -> D, 2 * 2*B*S*D*ffn_dim.
     - ``proj_out``: 2*B*S*D*(C_out*P).
 
-    Image conditioning (``image_dim`` / ``added_kv_proj_dim``, the I2V models) is not counted and rejected.
+    Image conditioning (Wan2.1 I2V: ``image_dim``, ``added_kv_proj_dim``), with I = ``image_len`` CLIP tokens of width
+    E = image_dim: ``image_embedder``, its MLP E -> E -> D, 2*B*I*(E*E + E*D); per block the K and V projections
+    of the image tokens, 2 * 2*B*I*D*D (in ``cross_attention_proj``), and QK^T and AV against them, 2 * 2*B*S*I*D
+    (in ``cross_attention``). ``latent_shape`` is the transformer's input, condition channels included.
+
+    ``per_token_timesteps`` (Wan2.2 TI2V-5B): the timestep MLP and its 6-way projection run for every token,
+    2*B*S*(freq*D + D*D) + 2*B*S*D*6D, instead of once per sample.
     """
     cfg = {**WAN_TRANSFORMER_DEFAULTS, **config}
-    if cfg.get("image_dim") is not None or cfg.get("added_kv_proj_dim") is not None:
-        raise ValueError("wan_transformer_flops counts text-to-video transformers only (image_dim is set)")
+    image = cfg.get("image_dim") is not None or cfg.get("added_kv_proj_dim") is not None
+    if image and image_len < 1:
+        raise ValueError("an image-conditioned transformer (image_dim is set) needs image_len, its image tokens")
     if len(latent_shape) != 5:
         raise ValueError(f"latent_shape={tuple(latent_shape)} must be (batch, channels, frames, height, width)")
     batch, channels, frames, height, width = (int(x) for x in latent_shape)
@@ -70,29 +82,34 @@ def wan_transformer_flops_breakdown(
     patch = pt * ph * pw
 
     s, d, t = batch * tokens, dim, batch * text_len
+    i = batch * image_len if image else 0
     per_block = {
         "self_attention_proj": 4 * matmul_flops(s, d, d),
         "self_attention": 2 * batch * matmul_flops(tokens, tokens, d),
-        "cross_attention_proj": 2 * matmul_flops(s, d, d) + 2 * matmul_flops(t, d, d),
-        "cross_attention": 2 * batch * matmul_flops(tokens, text_len, d),
+        "cross_attention_proj": 2 * matmul_flops(s, d, d) + 2 * matmul_flops(t, d, d) + 2 * matmul_flops(i, d, d),
+        "cross_attention": 2 * batch * (matmul_flops(tokens, text_len, d) + matmul_flops(tokens, i // batch, d)),
         "ffn": matmul_flops(s, ffn, d) + matmul_flops(s, d, ffn),
     }
+    steps = s if per_token_timesteps else batch  # rows of the timestep MLP
     out = {
         "patch_embedding": matmul_flops(s, d, channels * patch),
-        "condition_embedder": matmul_flops(batch, d, freq)
-        + matmul_flops(batch, d, d)
-        + matmul_flops(batch, 6 * d, d)
+        "condition_embedder": matmul_flops(steps, d, freq)
+        + matmul_flops(steps, d, d)
+        + matmul_flops(steps, 6 * d, d)
         + matmul_flops(t, d, text_dim)
         + matmul_flops(t, d, d),
         **{name: layers * value for name, value in per_block.items()},
         "proj_out": matmul_flops(s, out_channels * patch, d),
     }
+    if image:
+        e = int(cfg["image_dim"])
+        out["image_embedder"] = matmul_flops(i, e, e) + matmul_flops(i, d, e)
     return out
 
 
-def wan_transformer_flops(config: Mapping[str, Any], latent_shape: Sequence[int], text_len: int) -> int:
+def wan_transformer_flops(config: Mapping[str, Any], latent_shape: Sequence[int], text_len: int, **kwargs: Any) -> int:
     """Total matmul FLOPs of one ``WanTransformer3DModel`` forward (see :func:`wan_transformer_flops_breakdown`)."""
-    return sum(wan_transformer_flops_breakdown(config, latent_shape, text_len).values())
+    return sum(wan_transformer_flops_breakdown(config, latent_shape, text_len, **kwargs).values())
 
 
 def matmul_flops(m: int, n: int, k: int) -> int:

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from distvideo.models.compat import tensor_version
+
 
 class IdentityCache:
     """The newest `entries` (tensor -> value) pairs; `get` returns None for a tensor not held or changed since."""
@@ -25,13 +27,13 @@ class IdentityCache:
         if x.is_inference():
             return None
         for ref, version, value in self._items:
-            if ref() is x and x._version == version:
+            if ref() is x and tensor_version(x) == version:
                 return value
         return None
 
     def put(self, x: torch.Tensor, value: Any) -> None:
         if not x.is_inference():
-            self._items = [(weakref.ref(x), x._version, value), *self._items[: self.entries - 1]]
+            self._items = [(weakref.ref(x), tensor_version(x), value), *self._items[: self.entries - 1]]
 
     def clear(self) -> None:
         self._items = []

@@ -9,7 +9,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from distvideo.config import ConfigError
+from distvideo.errors import ConfigError, ModelLoadError
 from distvideo.models.registry import ModelInfo
 
 if TYPE_CHECKING:
@@ -18,10 +18,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _LIBRARIES = ("diffusers", "transformers")
-
-
-class ModelLoadError(RuntimeError):
-    """A component of a checkpoint could not be loaded (missing or corrupt weights, bad tokenizer)."""
 
 
 def component_class(library: str, class_name: str) -> Any:
@@ -36,14 +32,18 @@ def component_class(library: str, class_name: str) -> Any:
         ) from None
 
 
-def load_component(info: ModelInfo, name: str, dtype: torch.dtype | None = None) -> Any:
+def load_component(
+    info: ModelInfo, name: str, dtype: torch.dtype | None = None, *, allow_pickle_weights: bool = False
+) -> Any:
     """Load one component (e.g. "transformer") from its subfolder with the class model_index.json names."""
     library, class_name = info.index[name]
     cls = component_class(library, class_name)
     folder = info.path / name
     kwargs: dict[str, Any] = {}
-    if dtype is not None and name not in ("tokenizer", "scheduler"):
+    if dtype is not None and name not in _NO_WEIGHTS:
         kwargs["dtype" if library == "transformers" else "torch_dtype"] = dtype
+    if name not in ("tokenizer", "scheduler") and not allow_pickle_weights:
+        kwargs["use_safetensors"] = True  # never unpickle weights (verify_component_files refused pickle-only ones)
     try:
         if name == "scheduler":
             return cls.from_pretrained(str(info.path), subfolder="scheduler")
@@ -64,30 +64,49 @@ def _quiet_library_progress() -> None:
     transformers_logging.disable_progress_bar()
 
 
-def load_components(info: ModelInfo, dtypes: dict[str, torch.dtype]) -> dict[str, Any]:
+def load_components(
+    info: ModelInfo, dtypes: dict[str, torch.dtype], *, allow_pickle_weights: bool = False
+) -> dict[str, Any]:
     """Every component of the family, on the CPU, in the dtype given per component."""
     _quiet_library_progress()
     out: dict[str, Any] = {}
     for name in info.family.components:
-        out[name] = load_component(info, name, dtypes.get(name))
+        out[name] = load_component(info, name, dtypes.get(name), allow_pickle_weights=allow_pickle_weights)
         logger.debug("loaded %s from %s", name, info.path / name)
     return out
 
 
 # --- file checks before loading -----------------------------------------------------------------------------------
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
-_NO_WEIGHTS = ("tokenizer", "scheduler")  # components made of JSON / vocabulary files only
+_NO_WEIGHTS = ("tokenizer", "scheduler", "image_processor")  # components made of JSON / vocabulary files only
 
 
-def verify_component_files(info: ModelInfo) -> None:
+def verify_component_files(info: ModelInfo, *, allow_pickle_weights: bool = False) -> None:
     """Reject a checkpoint folder whose files are missing or visibly corrupt, naming the file (ConfigError), before any
     process starts or weight loads: every weight component has a weight file, every shard its index lists exists,
     every *.safetensors header is readable and covers the file (a truncated download fails here), every JSON file of
-    the tokenizer parses. Reads headers only, never the weights."""
+    the tokenizer parses. Reads headers only, never the weights. A component whose weights exist only as pickles
+    (.bin, .pt, .pth, .ckpt: loading one can run code) is refused unless `allow_pickle_weights`."""
     for name in info.family.components:
         problem = _component_problem(info.path / name, name)
         if problem:
             raise ConfigError(f"--model {info.path}: {problem}; re-download the checkpoint (or that file)")
+        if not allow_pickle_weights and name not in _NO_WEIGHTS:
+            library, class_name = info.index[name]
+            _refuse_pickles(info.path / name, name, f"{library}.{class_name}")
+
+
+def _refuse_pickles(folder: Path, name: str, cls: str) -> None:
+    files = [p.name for p in folder.iterdir() if p.is_file()]
+    if any(f.endswith(".safetensors") for f in files):
+        return
+    pickles = sorted(f for f in files if f.endswith(_WEIGHT_SUFFIXES))
+    raise ConfigError(
+        f"--model {folder.parent}: the {name} has only pickle weights ({', '.join(pickles)}); loading a pickle can run "
+        f"code, so distvideo loads only .safetensors. Convert it once, from a source you trust: "
+        f"{cls}.from_pretrained('{folder}').save_pretrained('{folder}', safe_serialization=True); "
+        "or pass --allow-pickle-weights (allow_pickle_weights=True) if you trust this file."
+    )
 
 
 def _component_problem(folder: Path, name: str) -> str | None:

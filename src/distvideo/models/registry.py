@@ -6,34 +6,146 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from distvideo.config import ConfigError, GenerationRequest
 
+IMAGE_NONE, IMAGE_OPTIONAL, IMAGE_REQUIRED = "none", "optional", "required"
+_T5 = ("vae", "text_encoder", "tokenizer", "scheduler")
+
 
 @dataclass(frozen=True)
 class ModelFamily:
+    """One model family: which checkpoints it is (the `model_index.json` class and the traits read from it), which
+    pipeline runs it, what it loads and which request defaults it documents.
+
+    A checkpoint belongs to the family whose `class_names` hold its `_class_name` and whose traits equal the
+    checkpoint's: `experts` (2 when `transformer_2` is a component), `expand_timesteps` (per-token timesteps) and
+    `image_encoder` (a CLIP image encoder is a component)."""
+
+    name: str  # as messages say it, e.g. "Wan2.2 TI2V-5B"
     class_names: tuple[str, ...]
     pipeline: str  # key into distvideo.pipelines.PIPELINES
     components: tuple[str, ...]
     defaults: dict[str, Any]
     description: str
+    image: str = IMAGE_NONE  # whether a request takes an image: "none" | "optional" | "required"
+    experts: int = 1
+    expand_timesteps: bool = False
+    image_encoder: bool = False
+
+    @property
+    def takes_image(self) -> bool:
+        """Whether a request may bring a conditioning image."""
+        return self.image != IMAGE_NONE
+
+    @property
+    def transformers(self) -> tuple[str, ...]:
+        """The denoising transformers' component names, the high-noise expert first."""
+        return ("transformer", "transformer_2")[: self.experts]
+
+    @property
+    def traits(self) -> tuple[int, bool, bool]:
+        return self.experts, self.expand_timesteps, self.image_encoder
 
 
+# Request defaults: diffusers' pipeline defaults and, where Wan documents its own, Wan's (sample_steps,
+# sample_guide_scale, frame_num and size of wan/configs in the Wan2.1 / Wan2.2 repositories). `fps` is the rate of
+# the saved video; a checkpoint's distvideo_defaults.json overrides any of them.
 WAN_T2V = ModelFamily(
+    name="Wan2.1 T2V",
     class_names=("WanPipeline",),
     pipeline="wan_t2v",
-    components=("transformer", "vae", "text_encoder", "tokenizer", "scheduler"),
-    # diffusers' WanPipeline defaults
-    defaults={"num_frames": 81, "height": 480, "width": 832, "num_inference_steps": 50, "guidance_scale": 5.0},
+    components=("transformer", *_T5),
+    defaults={
+        "num_frames": 81,
+        "height": 480,
+        "width": 832,
+        "num_inference_steps": 50,
+        "guidance_scale": 5.0,
+        "fps": 16,
+    },
     description="Wan2.1 text-to-video (WanTransformer3DModel, AutoencoderKLWan, UMT5)",
 )
+WAN_I2V = ModelFamily(
+    name="Wan2.1 I2V",
+    class_names=("WanImageToVideoPipeline",),
+    pipeline="wan_i2v",
+    components=("transformer", *_T5, "image_encoder", "image_processor"),
+    defaults={
+        "num_frames": 81,
+        "height": 480,
+        "width": 832,
+        "num_inference_steps": 50,
+        "guidance_scale": 5.0,
+        "fps": 16,
+    },
+    description="Wan2.1 image-to-video: CLIP image tokens in cross-attention, first-frame latents with a mask",
+    image=IMAGE_REQUIRED,
+    image_encoder=True,
+)
+WAN22_T2V_A14B = ModelFamily(
+    name="Wan2.2 T2V-A14B",
+    class_names=("WanPipeline",),
+    pipeline="wan22_t2v_a14b",
+    components=("transformer", "transformer_2", *_T5),
+    defaults={
+        "num_frames": 81,
+        "height": 720,
+        "width": 1280,
+        "num_inference_steps": 40,
+        "guidance_scale": 4.0,
+        "guidance_scale_2": 3.0,
+        "boundary_ratio": 0.875,
+        "fps": 16,
+    },
+    description="Wan2.2 text-to-video, two experts: high-noise (transformer) then low-noise (transformer_2)",
+    experts=2,
+)
+WAN22_I2V_A14B = ModelFamily(
+    name="Wan2.2 I2V-A14B",
+    class_names=("WanImageToVideoPipeline",),
+    pipeline="wan22_i2v_a14b",
+    components=("transformer", "transformer_2", *_T5),
+    defaults={
+        "num_frames": 81,
+        "height": 720,
+        "width": 1280,
+        "num_inference_steps": 40,
+        "guidance_scale": 3.5,
+        "guidance_scale_2": 3.5,
+        "boundary_ratio": 0.9,
+        "fps": 16,
+    },
+    description="Wan2.2 image-to-video, two experts, first-frame latents with a mask (no CLIP)",
+    image=IMAGE_REQUIRED,
+    experts=2,
+)
+WAN22_TI2V_5B = ModelFamily(
+    name="Wan2.2 TI2V-5B",
+    class_names=("WanPipeline", "WanImageToVideoPipeline"),
+    pipeline="wan22_ti2v_5b",
+    components=("transformer", *_T5),
+    defaults={
+        "num_frames": 121,
+        "height": 704,
+        "width": 1280,
+        "num_inference_steps": 50,
+        "guidance_scale": 5.0,
+        "fps": 24,
+    },
+    description="Wan2.2 text- and image-to-video in one model: per-token timesteps, the Wan2.2 VAE (z_dim 48)",
+    image=IMAGE_OPTIONAL,
+    expand_timesteps=True,
+)
 
-FAMILIES: tuple[ModelFamily, ...] = (WAN_T2V,)
-SUPPORTED_CLASSES: tuple[str, ...] = tuple(name for fam in FAMILIES for name in fam.class_names)
+FAMILIES: tuple[ModelFamily, ...] = (WAN_T2V, WAN_I2V, WAN22_T2V_A14B, WAN22_I2V_A14B, WAN22_TI2V_5B)
+SUPPORTED_CLASSES: tuple[str, ...] = tuple(dict.fromkeys(name for fam in FAMILIES for name in fam.class_names))
 DEFAULTS_FILE = "distvideo_defaults.json"
 
 
@@ -46,20 +158,36 @@ class ModelInfo:
     vae_scale_spatial: int
     vae_scale_temporal: int
     patch_size: tuple[int, int, int]
-    num_attention_heads: int
+    num_attention_heads: int  # of every expert (their greatest common divisor if they differ)
+    latent_channels: int = 16  # channels of the noise latents: the VAE's z_dim (the transformer's in_channels in T2V)
     defaults: dict[str, Any] = field(default_factory=dict)
+    transformer_config: dict[str, Any] = field(default_factory=dict)  # the JSON files, as read
+    vae_config: dict[str, Any] = field(default_factory=dict)
 
     @property
     def spatial_stride(self) -> int:
         return self.vae_scale_spatial * max(self.patch_size[1], self.patch_size[2])
 
-    def resolve_request(self, request: GenerationRequest) -> GenerationRequest:
-        """Fill unset fields with the model's defaults and check what depends on the model."""
-        import dataclasses
-
-        filled = dataclasses.replace(
-            request, **{k: v for k, v in self.defaults.items() if getattr(request, k, 0) is None}
+    def latent_shape(self, request: GenerationRequest) -> tuple[int, int, int, int, int]:
+        """(batch, channels, latent frames, latent rows, latent columns) of a resolved request."""
+        assert request.num_frames is not None and request.height is not None and request.width is not None
+        return (
+            1,
+            self.latent_channels,
+            (request.num_frames - 1) // self.vae_scale_temporal + 1,
+            request.height // self.vae_scale_spatial,
+            request.width // self.vae_scale_spatial,
         )
+
+    def resolve_request(self, request: GenerationRequest, *, read_image: bool = True) -> GenerationRequest:
+        """Fill unset fields with the model's defaults and check what depends on the model (ConfigError, naming the
+        family where the request does not fit it). `read_image`: read the image (a file path: from this node's disk)
+        into a uint8 RGB array; False checks only whether the family takes one."""
+        self._check_family_inputs(request)
+        defaults = dict(self.defaults)
+        if self.family.experts == 2 and request.guidance_scale is not None:
+            defaults["guidance_scale_2"] = request.guidance_scale  # as diffusers: the low-noise expert's follows it
+        filled = dataclasses.replace(request, **{k: v for k, v in defaults.items() if getattr(request, k, 0) is None})
         filled.validate()
         for name in ("height", "width"):
             value = getattr(filled, name)
@@ -70,11 +198,39 @@ class ModelInfo:
                     f"{self.vae_scale_spatial} x patch size {self.patch_size[1]}); try {lower} or "
                     f"{lower + self.spatial_stride}"
                 )
-        if (filled.num_frames - 1) % self.vae_scale_temporal:
+        k = self.vae_scale_temporal
+        assert filled.num_frames is not None  # the family's defaults fill every field
+        if (filled.num_frames - 1) % k:
+            lower = (filled.num_frames - 1) // k * k + 1
             raise ConfigError(
-                f"num_frames={filled.num_frames} must be of the form {self.vae_scale_temporal}k+1 for this model"
+                f"num_frames={filled.num_frames} must be of the form {k}k+1 for this model (its VAE packs {k} frames "
+                f"into one latent frame after the first); try {lower} or {lower + k}"
             )
+        if read_image and filled.image is not None:
+            from distvideo.media import load_image
+
+            filled = dataclasses.replace(filled, image=load_image(filled.image))
         return filled
+
+    def _check_family_inputs(self, request: GenerationRequest) -> None:
+        family = self.family
+        what = f"{self.path.name} is {family.name} ({self.class_name})"
+        if request.image is not None and family.image == IMAGE_NONE:
+            raise ConfigError(
+                f"image: {what}, a text-to-video model that takes no image; drop --image, or use an image-to-video "
+                "checkpoint (Wan2.1 I2V, Wan2.2 I2V-A14B or Wan2.2 TI2V-5B)"
+            )
+        if request.image is None and family.image == IMAGE_REQUIRED:
+            raise ConfigError(
+                f"image: {what}, an image-to-video model: pass the first frame with --image PATH (API: image= a path, "
+                "a PIL image or a uint8 array)"
+            )
+        for name in ("guidance_scale_2", "boundary_ratio"):
+            if getattr(request, name) is not None and family.experts == 1:
+                raise ConfigError(
+                    f"{name}: {what}, which has one transformer; {name} applies to the two-expert Wan2.2 A14B models "
+                    "only: drop it"
+                )
 
 
 def _read_json(path: Path, what: str) -> dict[str, Any]:
@@ -91,13 +247,43 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
     return data
 
 
-def family_for(class_name: str) -> ModelFamily:
-    for fam in FAMILIES:
-        if class_name in fam.class_names:
+def _component_present(index: dict[str, Any], name: str) -> bool:
+    """Whether model_index.json names a component: [library, class]; diffusers writes [null, null] for an absent
+    optional one."""
+    entry = index.get(name)
+    return isinstance(entry, list) and len(entry) == 2 and all(isinstance(x, str) for x in entry)
+
+
+def checkpoint_traits(index: dict[str, Any]) -> tuple[int, bool, bool]:
+    """(experts, expand_timesteps, image encoder) as a checkpoint's model_index.json says them."""
+    experts = 2 if _component_present(index, "transformer_2") else 1
+    return experts, bool(index.get("expand_timesteps") or False), _component_present(index, "image_encoder")
+
+
+def family_for(class_name: str, index: dict[str, Any] | None = None) -> ModelFamily:
+    """The family of a checkpoint: its `_class_name` and the traits its model_index.json shows."""
+    candidates = [fam for fam in FAMILIES if class_name in fam.class_names]
+    if not candidates:
+        raise ConfigError(
+            f"--model: model_index.json has _class_name={class_name!r}, which distvideo does not run yet; "
+            f"supported: {', '.join(SUPPORTED_CLASSES)}"
+        )
+    traits = checkpoint_traits(index or {})
+    for fam in candidates:
+        if fam.traits == traits:
             return fam
+    experts, expand, encoder = traits
     raise ConfigError(
-        f"--model: model_index.json has _class_name={class_name!r}, which distvideo does not run yet; "
-        f"supported: {', '.join(SUPPORTED_CLASSES)}"
+        f"--model: a {class_name} with {experts} transformer(s), expand_timesteps={expand} and "
+        f"{'a' if encoder else 'no'} image encoder is no family distvideo knows; {class_name} checkpoints it runs: "
+        + "; ".join(f"{fam.name} ({_traits_text(fam)})" for fam in candidates)
+    )
+
+
+def _traits_text(fam: ModelFamily) -> str:
+    return (
+        f"{fam.experts} transformer(s), expand_timesteps={fam.expand_timesteps}, "
+        f"{'an' if fam.image_encoder else 'no'} image encoder"
     )
 
 
@@ -105,7 +291,7 @@ def probe_model(path: str | Path) -> ModelInfo:
     """Read a checkpoint folder's JSON files and return what is needed before loading weights."""
     root = Path(path).expanduser()
     if not root.exists():
-        raise ConfigError(f"--model {path}: no such folder; pass a diffusers-format checkpoint folder")
+        raise ConfigError(f"--model {path}: no such folder; pass a diffusers-format checkpoint folder or a repo id")
     if not root.is_dir():
         raise ConfigError(f"--model {path}: not a folder; pass a diffusers-format checkpoint folder")
     if not (root / "model_index.json").is_file():
@@ -117,26 +303,31 @@ def probe_model(path: str | Path) -> ModelInfo:
     class_name = index.get("_class_name")
     if not isinstance(class_name, str):
         raise ConfigError(f"--model {path}: model_index.json has no _class_name")
-    family = family_for(class_name)
+    family = family_for(class_name, index)
     for comp in family.components:
-        entry = index.get(comp)
-        if not (isinstance(entry, list) and len(entry) == 2 and all(isinstance(x, str) for x in entry)):
+        if not _component_present(index, comp):
             raise ConfigError(f"--model {path}: model_index.json lacks the component '{comp}' ([library, class])")
         if not (root / comp).is_dir():
             raise ConfigError(f"--model {path}: component folder '{comp}/' is missing")
     vae_cfg = _read_json(root / "vae" / "config.json", "VAE config")
-    tr_cfg = _read_json(root / "transformer" / "config.json", "transformer config")
+    tr_cfgs = [_read_json(root / name / "config.json", f"{name} config") for name in family.transformers]
     temporal = vae_cfg.get("temperal_downsample", [False, True, True])
     scale_temporal = int(vae_cfg.get("scale_factor_temporal", 2 ** sum(bool(x) for x in temporal)))
     scale_spatial = int(vae_cfg.get("scale_factor_spatial", 2 ** len(temporal)))
-    patch = tuple(int(x) for x in tr_cfg.get("patch_size", (1, 2, 2)))
-    defaults = dict(family.defaults)
+    if family.image_encoder and tr_cfgs[0].get("pos_embed_seq_len"):
+        raise ConfigError(
+            f"--model {path}: a Wan2.1 FLF2V checkpoint (first and last frame: the transformer's pos_embed_seq_len is "
+            f"set), which distvideo does not run yet; it runs {family.name} (one image)"
+        )
+    patch = tuple(int(x) for x in tr_cfgs[0].get("patch_size", (1, 2, 2)))
+    defaults = _family_defaults(family, index)
     if (root / DEFAULTS_FILE).is_file():
         extra = _read_json(root / DEFAULTS_FILE, "defaults")
         unknown = set(extra) - set(defaults)
         if unknown:
             raise ConfigError(f"--model {path}: {DEFAULTS_FILE} has unknown keys {sorted(unknown)}")
         defaults.update(extra)
+    noise_channels = vae_cfg.get("z_dim", 16) if family.image != IMAGE_NONE else tr_cfgs[0].get("in_channels", 16)
     return ModelInfo(
         path=root.resolve(),
         class_name=class_name,
@@ -145,6 +336,18 @@ def probe_model(path: str | Path) -> ModelInfo:
         vae_scale_spatial=scale_spatial,
         vae_scale_temporal=scale_temporal,
         patch_size=(patch[0], patch[1], patch[2]),
-        num_attention_heads=int(tr_cfg.get("num_attention_heads", 1)),
+        num_attention_heads=math.gcd(*(int(cfg.get("num_attention_heads", 1)) for cfg in tr_cfgs)),
+        latent_channels=int(noise_channels),
         defaults=defaults,
+        transformer_config=tr_cfgs[0],
+        vae_config=vae_cfg,
     )
+
+
+def _family_defaults(family: ModelFamily, index: dict[str, Any]) -> dict[str, Any]:
+    """The family's documented request defaults, with what the checkpoint itself says (its boundary_ratio)."""
+    defaults = dict(family.defaults)
+    ratio = index.get("boundary_ratio")
+    if family.experts == 2 and isinstance(ratio, (int, float)) and not isinstance(ratio, bool):
+        defaults["boundary_ratio"] = float(ratio)
+    return defaults

@@ -1,4 +1,4 @@
-"""Cross-attention over a padded text without computing the padding: an exact reformulation, applied as a plan.
+"""The text side of Wan's cross-attention, computed once and without its padding: two exact plans that share a cache.
 
 Wan pads every text embedding to 512 tokens with zero rows, and its cross-attention attends to all 512 keys. A
 short prompt (a few dozen tokens at most) thus spends almost all of each cross-attention, and
@@ -18,17 +18,27 @@ and the weighted sum of the values is the same. So the plan
 The frames equal the uncompacted ones up to float rounding (the parity tests check them against diffusers'
 WanPipeline, max abs difference 2 on uint8). Image-conditioned models (Wan I2V: ``add_k_proj``) are
 left alone. The compacted input tensor is cached on the identity of the original one, so a request's embeddings
-keep one identity across steps (the SP text-projection memo relies on it).
+keep one identity across steps, which the second plan relies on:
+
+**TextProjectionMemo** (applied under sequence parallelism). The text embeddings of a request do not change between
+steps, yet every forward projects them again: the text embedder, then the key and value projections of every
+cross-attention. Under sequence parallelism that work is not split (every rank projects all text tokens for all
+heads), so its share grows with sp. Memoising those modules on the identity of their input removes it after the
+first step: a module returns its previous output while it is called with the very same tensor object, unchanged
+(same version counter), outside autograd. A new request brings new tensors, so nothing stale is ever reused.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 
+from distvideo.models import compat
 from distvideo.models.identity_cache import IdentityCache
 
 #: compact only when at most this fraction of the rows would remain (below it the saving is not worth a processor)
@@ -65,9 +75,7 @@ class CompactTextAttnProcessor:
         copies = self.plan.copies
         if copies <= 1 or encoder_hidden_states is None or attention_mask is not None:
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
-        from diffusers.models.transformers.transformer_wan import _get_qkv_projections
-
-        query, key, value = _get_qkv_projections(attn, hidden_states, encoder_hidden_states)
+        query, key, value = compat.wan_qkv_projections(attn, hidden_states, encoder_hidden_states)
         query = attn.norm_q(query).unflatten(2, (attn.heads, -1))  # (B, S, H, D)
         key = attn.norm_k(key).unflatten(2, (attn.heads, -1))  # (B, L + 1, H, D)
         value = value.unflatten(2, (attn.heads, -1))
@@ -81,25 +89,27 @@ class CompactTextAttnProcessor:
 
 
 class TextPaddingPlan:
-    """Applies the compaction to a WanTransformer3DModel in place; `remove()` undoes it. `copies` is the padding
-    run of the current forward (1: not compacted); `counts["compacted_forward"]` counts the forwards it served."""
+    """Applies the compaction to a WanTransformer3DModel in place (a ModulePlan); `remove()` (the undo `apply`
+    returns) undoes it. `copies` is the padding run of the current forward (1: not compacted);
+    `counts["compacted_forward"]` counts the forwards it served."""
 
-    def __init__(self, counts: Counter[str] | None = None):
+    def __init__(self, counts: Counter[str] | None = None, component: str = "transformer"):
         self.counts = counts if counts is not None else Counter()
+        self.component = component
         self.copies = 1
         self._handles: list[Any] = []
         self._processors: list[tuple[Any, Any]] = []
         self._cache = IdentityCache(entries=2)  # the two CFG branches' texts
 
-    def apply(self, transformer: Any) -> TextPaddingPlan:
+    def apply(self, transformer: Any) -> Callable[[], None]:
         if any(block.attn2.add_k_proj is not None for block in transformer.blocks):
-            return self  # image-conditioned: image tokens are concatenated in front of the text, left alone
+            return self.remove  # image-conditioned: image tokens are concatenated in front of the text, left alone
         self._handles.append(transformer.register_forward_pre_hook(self._on_model_input, with_kwargs=True))
         for block in transformer.blocks:
             original = block.attn2.processor
             self._processors.append((block.attn2, original))
             block.attn2.set_processor(CompactTextAttnProcessor(self, original))
-        return self
+        return self.remove
 
     @property
     def applied(self) -> bool:
@@ -147,3 +157,57 @@ class TextPaddingPlan:
         if where is None:
             return args, {**kwargs, "encoder_hidden_states": compacted}
         return (*args[:where], compacted, *args[where + 1 :]), kwargs
+
+
+# --- the text-projection memo ---------------------------------------------------------------------------------------
+MEMO_ENTRIES = 2  # conditional and unconditional text
+
+
+class InputMemo:
+    """Patches `module.forward` to return the cached output for a repeated input tensor; `remove()` undoes it."""
+
+    def __init__(self, module: nn.Module, counts: Counter[str] | None = None, entries: int = MEMO_ENTRIES):
+        self.module = module
+        self.counts = counts if counts is not None else Counter()
+        self._cache = IdentityCache(entries)
+        original: Callable[..., Any] = module.forward
+
+        def forward(x: Any, *args: Any, **kwargs: Any) -> Any:
+            if args or kwargs or not isinstance(x, torch.Tensor) or torch.is_grad_enabled():
+                return original(x, *args, **kwargs)
+            out = self._cache.get(x)
+            if out is not None:
+                self.counts["text_projection_reused"] += 1
+                return out
+            out = original(x)
+            self._cache.put(x, out)
+            return out
+
+        module.forward = forward  # type: ignore[method-assign]
+
+    def remove(self) -> None:
+        del self.module.forward
+        self._cache.clear()
+
+
+class TextProjectionMemo:
+    """A ModulePlan: memoise the text embedder and every cross-attention's key and value projections of a
+    WanTransformer3DModel (image-conditioned blocks excepted: their image and text tokens are re-concatenated per
+    forward)."""
+
+    def __init__(self, counts: Counter[str] | None = None, component: str = "transformer"):
+        self.counts = counts if counts is not None else Counter()
+        self.component = component
+
+    def apply(self, transformer: Any) -> Callable[[], None]:
+        modules = [transformer.condition_embedder.text_embedder]
+        for block in transformer.blocks:
+            if block.attn2.add_k_proj is None:
+                modules += [block.attn2.to_k, block.attn2.to_v]
+        memos = [InputMemo(m, self.counts) for m in modules]
+
+        def undo() -> None:
+            for memo in memos:
+                memo.remove()
+
+        return undo

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from distvideo.parallel.collectives import collective
+
 COND, UNCOND = 0, 1  # cfg_rank of each branch (rank = cfg_rank * sp_size + sp_rank)
 
 
@@ -43,7 +45,8 @@ def cfg_parallel_noise(
     assert embeds is not None, "this CFG half did not encode the text of its branch"
     local = noise(embeds).contiguous()
     both = [torch.empty_like(local), torch.empty_like(local)]
-    dist.all_gather(both, local, group=group)  # group rank = cfg_rank: [cond, uncond]
+    with collective("the CFG all-gather"):
+        dist.all_gather(both, local, group=group)  # group rank = cfg_rank: [cond, uncond]
     if counts is not None:
         counts["cfg_all_gather"] += 1
     return both[COND], both[UNCOND]

@@ -1,9 +1,12 @@
-"""The parallel layout: how the world of ranks splits into CFG halves and sequence-parallel groups.
+"""The parallel layout: how the world of ranks splits into data-parallel replicas, CFG halves and sequence-parallel
+groups.
 
 One small dataclass knows every degree and checks them once, with errors that show the arithmetic. Rank order:
-``rank = cfg_rank * sp_size + sp_rank``, so the ranks of one sequence-parallel group are contiguous (on GPUs they
-share a node and its fast links, which the per-layer all-to-alls need most), and the two ranks of a CFG pair are
-``sp_size`` apart.
+``rank = replica * (cfg_degree * sp_size) + cfg_rank * sp_size + sp_rank``, so a replica's ranks are contiguous (one
+node, where it fits), the ranks of one sequence-parallel group are contiguous within it (on GPUs they share a node and
+its fast links, which the per-layer all-to-alls need most), and the two ranks of a CFG pair are ``sp_size`` apart. A
+replica runs one request at a time with the cfg x sp layout; replicas run different requests (batch jobs) and never
+talk to each other until the end.
 """
 
 from __future__ import annotations
@@ -17,22 +20,28 @@ CFG_DEGREE = 2  # classifier-free guidance has two branches: conditional and unc
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """world_size = cfg_degree x sp_size; `num_heads` (when known) must divide by sp_size (Ulysses splits heads)."""
+    """world_size = replicas x cfg_degree x sp_size; `num_heads` (when known) must divide by sp_size (Ulysses splits
+    heads)."""
 
     world_size: int
     sp_size: int = 1
     cfg_degree: int = 1
     num_heads: int | None = None
+    replicas: int = 1
 
     def __post_init__(self) -> None:
-        if self.world_size < 1 or self.sp_size < 1:
-            raise ConfigError(f"world_size({self.world_size}) and sp_size({self.sp_size}) must be >= 1")
+        if self.world_size < 1 or self.sp_size < 1 or self.replicas < 1:
+            raise ConfigError(
+                f"world_size({self.world_size}), sp_size({self.sp_size}) and replicas({self.replicas}) must be >= 1"
+            )
         if self.cfg_degree not in (1, CFG_DEGREE):
             raise ConfigError(f"cfg_degree({self.cfg_degree}) must be 1 (off) or {CFG_DEGREE} (cfg_parallel)")
-        if self.cfg_degree * self.sp_size != self.world_size:
+        if self.replicas * self.cfg_degree * self.sp_size != self.world_size:
+            product = self.replicas * self.cfg_degree * self.sp_size
             raise ConfigError(
-                f"cfg({self.cfg_degree}) * sp({self.sp_size}) = {self.cfg_degree * self.sp_size} != "
-                f"world_size({self.world_size}); {_what_works(self.world_size, self.num_heads)}"
+                f"replicas({self.replicas}) * cfg({self.cfg_degree}) * sp({self.sp_size}) = {product} != "
+                f"world_size({self.world_size}); {_what_works(self.world_size // self.replicas or 1, self.num_heads)}"
+                + (f" per replica ({self.replicas} replicas)" if self.replicas > 1 else "")
             )
         if self.num_heads is not None and self.num_heads % self.sp_size:
             raise ConfigError(
@@ -49,35 +58,93 @@ class ParallelLayout:
     def sp_enabled(self) -> bool:
         return self.sp_size > 1
 
+    @property
+    def replica_size(self) -> int:
+        """Ranks of one replica: cfg_degree x sp_size."""
+        return self.cfg_degree * self.sp_size
+
+    def replica(self, rank: int) -> int:
+        return rank // self.replica_size
+
+    def replica_rank(self, rank: int) -> int:
+        """The rank's place inside its replica; 0 is the replica's output rank."""
+        return rank % self.replica_size
+
+    def output_ranks(self) -> list[int]:
+        """The output rank of every replica (its first rank): frames and videos are written there."""
+        return [k * self.replica_size for k in range(self.replicas)]
+
     def cfg_rank(self, rank: int) -> int:
         """0: the conditional branch, 1: the unconditional branch."""
-        return rank // self.sp_size
+        return self.replica_rank(rank) // self.sp_size
 
     def sp_rank(self, rank: int) -> int:
         return rank % self.sp_size
 
+    def replica_group_ranks(self) -> list[list[int]]:
+        """Every replica's ranks (contiguous), in replica order."""
+        return [list(range(k * self.replica_size, (k + 1) * self.replica_size)) for k in range(self.replicas)]
+
     def sp_group_ranks(self) -> list[list[int]]:
-        """Every sequence-parallel group (contiguous ranks), in cfg_rank order."""
-        return [[c * self.sp_size + s for s in range(self.sp_size)] for c in range(self.cfg_degree)]
+        """Every sequence-parallel group (contiguous ranks), by replica, then cfg_rank."""
+        return [
+            [base + c * self.sp_size + s for s in range(self.sp_size)]
+            for base in self.output_ranks()
+            for c in range(self.cfg_degree)
+        ]
 
     def cfg_group_ranks(self) -> list[list[int]]:
-        """Every CFG pair (ranks sp_size apart), in sp_rank order."""
-        return [[c * self.sp_size + s for c in range(self.cfg_degree)] for s in range(self.sp_size)]
+        """Every CFG pair (ranks sp_size apart), by replica, then sp_rank."""
+        return [
+            [base + c * self.sp_size + s for c in range(self.cfg_degree)]
+            for base in self.output_ranks()
+            for s in range(self.sp_size)
+        ]
 
     def describe(self) -> str:
-        return f"world {self.world_size} = cfg {self.cfg_degree} x sp {self.sp_size}"
+        replicas = f"replicas {self.replicas} x " if self.replicas > 1 else ""
+        return f"world {self.world_size} = {replicas}cfg {self.cfg_degree} x sp {self.sp_size}"
 
 
 def resolve_layout(
-    world_size: int, *, sp_size: int | None = None, cfg_parallel: bool | None = None, num_heads: int | None = None
+    world_size: int,
+    *,
+    sp_size: int | None = None,
+    cfg_parallel: bool | None = None,
+    num_heads: int | None = None,
+    replicas: int | None = None,
 ) -> ParallelLayout:
-    """The layout for `world_size` ranks given the user's (possibly unset) sp_size and cfg_parallel.
+    """The layout for `world_size` ranks given the user's (possibly unset) replicas, sp_size and cfg_parallel.
 
-    Defaults: with an even world size CFG parallelism is on and sp = world / 2; with an odd one sp = world.
+    Replicas: 1 unless given, or derived when both sp_size and cfg_parallel are given (world / (cfg x sp)). Within a
+    replica: with an even replica size CFG parallelism is on and sp = size / 2; with an odd one sp = size.
     Raises ConfigError naming the conflicting numbers and the layouts that would work.
     """
     if world_size < 1:
         raise ConfigError(f"world_size({world_size}) must be >= 1")
+    if replicas is None and sp_size is not None and cfg_parallel is not None and sp_size >= 1:
+        fixed = sp_size * (CFG_DEGREE if cfg_parallel else 1)
+        replicas = world_size // fixed if world_size % fixed == 0 else 1
+    replicas = 1 if replicas is None else replicas
+    if replicas < 1 or world_size % replicas:
+        raise ConfigError(
+            f"replicas({replicas}) must divide world_size({world_size}): each replica gets world / replicas ranks; "
+            f"with {world_size} rank(s) use replicas among {[n for n in range(1, world_size + 1) if world_size % n == 0]}"
+        )
+    layout = _resolve_replica(world_size // replicas, sp_size, cfg_parallel, num_heads)
+    return ParallelLayout(
+        world_size=world_size,
+        sp_size=layout.sp_size,
+        cfg_degree=layout.cfg_degree,
+        num_heads=num_heads,
+        replicas=replicas,
+    )
+
+
+def _resolve_replica(
+    world_size: int, sp_size: int | None, cfg_parallel: bool | None, num_heads: int | None
+) -> ParallelLayout:
+    """The cfg x sp layout of one replica of `world_size` ranks."""
     if sp_size is not None and sp_size < 1:
         raise ConfigError(f"sp_size({sp_size}) must be >= 1")
     if cfg_parallel is True and world_size % CFG_DEGREE:

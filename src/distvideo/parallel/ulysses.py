@@ -6,6 +6,9 @@ processor change what flows through it:
 - model pre-hook: derive the token count of this forward from the latent shape and the patch size;
 - ``rope`` hook: keep this rank's slice of the rotary tables;
 - ``blocks.0`` pre-hook: pad the token sequence to a multiple of sp and keep this rank's contiguous shard;
+- with a timestep per token (Wan2.2 TI2V-5B's ``expand_timesteps``): a pre-hook on every block keeps this rank's
+  shard of the per-token modulation (``temb``, computed once per forward), and the shards are gathered before
+  ``norm_out`` instead of after ``proj_out``, since the output modulation is per token too;
 - ``attn1`` of every block: :class:`UlyssesAttnProcessor` projects q, k, v for the local tokens and all heads, moves
   them with ONE all-to-all to all tokens and heads/sp (heads scattered, sequence gathered), attends, and moves the
   output back with one more; padded key positions are cut off before attention, so they never take part;
@@ -17,11 +20,15 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from distvideo.models import compat
+from distvideo.parallel.collectives import collective
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +93,7 @@ def take_shard(x: torch.Tensor, dim: int, shard: SequenceShard) -> torch.Tensor:
 # --- the attention processor ----------------------------------------------------------------------------------------
 
 
-def _apply_rotary_emb(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
+def apply_wan_rotary(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
     """Wan's interleaved rotary embedding, as in diffusers' WanAttnProcessor. In float32/64 as one complex product:
     the same arithmetic without the strided writes of the real version."""
     if x.dtype in (torch.float32, torch.float64) and freqs_cos.dtype == x.dtype and x.stride(-1) == 1:
@@ -108,9 +115,9 @@ class UlyssesAttnProcessor:
     the attention op.
     """
 
-    _parallel_config = None  # diffusers' own context parallelism must stay off on this processor
-
     def __init__(self, plan: UlyssesPlan, attention_backend: Any = None):
+        for name, value in compat.PROCESSOR_PROTOCOL_ATTRIBUTES.items():
+            setattr(self, name, value)
         self.plan = plan
         self._attention_backend = attention_backend
 
@@ -122,27 +129,22 @@ class UlyssesAttnProcessor:
         attention_mask: torch.Tensor | None = None,
         rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        from diffusers.models.attention_dispatch import dispatch_attention_fn
-        from diffusers.models.transformers.transformer_wan import _get_qkv_projections
-
         if encoder_hidden_states is not None or attention_mask is not None:
             raise RuntimeError("UlyssesAttnProcessor handles self-attention without a mask only (Wan's attn1)")
-        query, key, value = _get_qkv_projections(attn, hidden_states, None)  # type: ignore[arg-type]
+        query, key, value = compat.wan_qkv_projections(attn, hidden_states, None)
         query = attn.norm_q(query).unflatten(2, (attn.heads, -1))
         key = attn.norm_k(key).unflatten(2, (attn.heads, -1))
         value = value.unflatten(2, (attn.heads, -1))
         if rotary_emb is not None:
-            query = _apply_rotary_emb(query, *rotary_emb)
-            key = _apply_rotary_emb(key, *rotary_emb)
+            query = apply_wan_rotary(query, *rotary_emb)
+            key = apply_wan_rotary(key, *rotary_emb)
 
         # (B, S/sp, H, D) x3 -> (B, S, H/sp, D) x3, in one all-to-all
         query, key, value = self.plan.scatter_heads_gather_sequence(torch.stack([query, key, value]))
         seq_len = self.plan.shard.seq_len
         key, value = key[:, :seq_len], value[:, :seq_len]  # padded keys take no part in attention
 
-        out = dispatch_attention_fn(
-            query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, backend=self._attention_backend
-        )
+        out = compat.dispatch_attention(query, key, value, self._attention_backend)
         out = self.plan.scatter_sequence_gather_heads(out)  # (B, S, H/sp, D) -> (B, S/sp, H, D)
         out = out.flatten(2, 3).type_as(query)
         out = attn.to_out[0](out)
@@ -153,20 +155,34 @@ class UlyssesAttnProcessor:
 
 
 class UlyssesPlan:
-    """Applies Ulysses sequence parallelism to a WanTransformer3DModel in place; `remove()` undoes it.
+    """Applies Ulysses sequence parallelism to a WanTransformer3DModel in place (a ModulePlan); `remove()`, the undo
+    `apply` returns, undoes it.
 
     `counts` records the collectives issued ("all_to_all", "all_gather"), so tests can check there are exactly two
     all-to-alls per self-attention layer.
     """
 
-    def __init__(self, group: Any, sp_size: int, sp_rank: int):
+    component = "transformer"
+
+    def __init__(
+        self,
+        group: Any,
+        sp_size: int,
+        sp_rank: int,
+        *,
+        component: str = "transformer",
+        counts: Counter[str] | None = None,
+    ):
         if sp_size < 2:
             raise ValueError(f"Ulysses needs sp_size >= 2, got {sp_size}")
+        self.component = component
         self.group = group
         self.sp_size = sp_size
         self.sp_rank = sp_rank
-        self.counts: Counter[str] = Counter()
+        self.counts: Counter[str] = counts if counts is not None else Counter()
         self._shard: SequenceShard | None = None
+        self._per_token = False  # this forward has a timestep per token
+        self._temb: tuple[torch.Tensor, torch.Tensor] | None = None  # (full per-token modulation, this rank's shard)
         self._handles: list[Any] = []
         self._processors: list[tuple[Any, Any]] = []
         self._patch_size: tuple[int, ...] = (1, 2, 2)
@@ -178,7 +194,7 @@ class UlyssesPlan:
         return self._shard
 
     # -- applying ------------------------------------------------------------------------------------------
-    def apply(self, transformer: Any) -> UlyssesPlan:
+    def apply(self, transformer: Any) -> Callable[[], None]:
         heads = int(transformer.config.num_attention_heads)
         if heads % self.sp_size:
             raise ValueError(f"sp_size({self.sp_size}) must divide the attention heads({heads})")
@@ -187,13 +203,15 @@ class UlyssesPlan:
             transformer.register_forward_pre_hook(self._on_model_input, with_kwargs=True),
             transformer.rope.register_forward_hook(self._on_rope_output),
             transformer.blocks[0].register_forward_pre_hook(self._on_first_block_input, with_kwargs=True),
+            transformer.norm_out.register_forward_pre_hook(self._on_norm_out_input),
             transformer.proj_out.register_forward_hook(self._on_proj_out_output),
         ]
+        self._handles += [block.register_forward_pre_hook(self._on_block_input) for block in transformer.blocks]
         for block in transformer.blocks:
             original = block.attn1.processor
             self._processors.append((block.attn1, original))
-            block.attn1.set_processor(UlyssesAttnProcessor(self, getattr(original, "_attention_backend", None)))
-        return self
+            block.attn1.set_processor(UlyssesAttnProcessor(self, compat.attention_backend(original)))
+        return self.remove
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -206,8 +224,8 @@ class UlyssesPlan:
     def _on_model_input(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         hidden_states = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
         timestep = kwargs["timestep"] if "timestep" in kwargs else args[1]
-        if timestep.ndim != 1:
-            raise NotImplementedError("sequence parallelism supports one timestep per sample (Wan2.1), not per token")
+        self._per_token = timestep.ndim == 2
+        self._temb = None
         f, h, w = hidden_states.shape[2:]
         p_t, p_h, p_w = self._patch_size
         self._shard = SequenceShard((f // p_t) * (h // p_h) * (w // p_w), self.sp_size, self.sp_rank)
@@ -224,9 +242,31 @@ class UlyssesPlan:
             args = (take_shard(args[0], 1, self.shard), *args[1:])
         return args, kwargs
 
-    def _on_proj_out_output(self, module: Any, args: Any, output: torch.Tensor) -> torch.Tensor:
-        shards = [torch.empty_like(output) for _ in range(self.sp_size)]
-        dist.all_gather(shards, output.contiguous(), group=self.group)
+    def _on_block_input(self, module: Any, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        """Per-token modulation (B, S, 6, D) -> this rank's (B, S/sp, 6, D), once per forward for all blocks."""
+        if not self._per_token or len(args) < 3:
+            return None
+        temb = args[2]
+        if self._temb is None or self._temb[0] is not temb:
+            self._temb = (temb, take_shard(temb, 1, self.shard))
+        return (*args[:2], self._temb[1], *args[3:])
+
+    def _on_norm_out_input(self, module: Any, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        if not self._per_token:
+            return None
+        self._temb = None
+        return (self.gather_sequence(args[0]), *args[1:])
+
+    def _on_proj_out_output(self, module: Any, args: Any, output: torch.Tensor) -> torch.Tensor | None:
+        if self._per_token:
+            return None  # gathered before norm_out
+        return self.gather_sequence(output)
+
+    def gather_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's shard (B, S/sp, ...) -> the whole sequence without its padding (B, S, ...)."""
+        shards = [torch.empty_like(x) for _ in range(self.sp_size)]
+        with collective("the Ulysses output gather"):
+            dist.all_gather(shards, x.contiguous(), group=self.group)
         self.counts["all_gather"] += 1
         return torch.cat(shards, dim=1)[:, : self.shard.seq_len]
 
@@ -237,7 +277,8 @@ class UlyssesPlan:
         sp = self.sp_size
         send = qkv.reshape(n, b, s_local, sp, heads // sp, d).permute(3, 0, 1, 2, 4, 5).contiguous()
         recv = torch.empty_like(send)  # (sp source ranks, 3, B, S/sp, H/sp, D)
-        dist.all_to_all_single(recv, send, group=self.group)
+        with collective("a Ulysses all-to-all"):
+            dist.all_to_all_single(recv, send, group=self.group)
         self.counts["all_to_all"] += 1
         return recv.permute(1, 2, 0, 3, 4, 5).reshape(n, b, sp * s_local, heads // sp, d)
 
@@ -247,6 +288,7 @@ class UlyssesPlan:
         sp = self.sp_size
         send = out.reshape(b, sp, s_padded // sp, heads_local, d).transpose(0, 1).contiguous()
         recv = torch.empty_like(send)  # (sp source ranks = head chunks, B, S/sp, H/sp, D)
-        dist.all_to_all_single(recv, send, group=self.group)
+        with collective("a Ulysses all-to-all"):
+            dist.all_to_all_single(recv, send, group=self.group)
         self.counts["all_to_all"] += 1
         return recv.permute(1, 2, 0, 3, 4).reshape(b, s_padded // sp, sp * heads_local, d)

@@ -28,6 +28,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from distvideo.models import compat
+from distvideo.parallel.collectives import collective
+
 logger = logging.getLogger(__name__)
 
 #: Fewest latent rows a band may have. Halo traffic per convolution is fixed (one row per side) while the work
@@ -99,7 +102,10 @@ class _Band:
 
 
 class BandedVaeDecoder:
-    """Decode with the world split into bands of rows; apply once to the loaded VAE, then call `decode`."""
+    """Decode with the world split into bands of rows; apply once to the loaded VAE (a ModulePlan), then call
+    `decode`."""
+
+    component = "vae"
 
     def __init__(self, group_for: Callable[[int], Any], rank: int, world_size: int, min_rows: int = MIN_BAND_ROWS):
         self.group_for = group_for  # size -> process group of ranks 0..size-1 (None on ranks outside it)
@@ -112,9 +118,8 @@ class BandedVaeDecoder:
         self._restore: list[Callable[[], None]] = []
 
     # -- applying ------------------------------------------------------------------------------------------
-    def apply(self, vae: Any) -> BandedVaeDecoder:
-        from diffusers.models.autoencoders.autoencoder_kl_wan import WanAttentionBlock, WanCausalConv3d
-
+    def apply(self, vae: Any) -> Callable[[], None]:
+        WanCausalConv3d, WanAttentionBlock = compat.wan_vae_classes()
         unknown = sorted({type(m).__name__ for m in vae.decoder.modules()} - _ROW_LOCAL_MODULES)
         if unknown:
             raise NotImplementedError(
@@ -134,7 +139,7 @@ class BandedVaeDecoder:
                 ]
                 self._restore += [h.remove for h in handles]
         self.vae = vae
-        return self
+        return self.remove
 
     def remove(self) -> None:
         for undo in reversed(self._restore):
@@ -148,9 +153,10 @@ class BandedVaeDecoder:
     def _haloed_causal_conv3d(self, conv: Any) -> Callable[..., torch.Tensor]:
         """WanCausalConv3d.forward with the rows' zero padding replaced by the neighbours' rows inside a decode."""
         original = conv.forward
-        w_pad, w_pad2, h_pad, h_pad2, t_before, t_after = conv._padding
+        padding = compat.causal_conv_padding(conv)
+        w_pad, w_pad2, h_pad, h_pad2, t_before, t_after = padding
         if (w_pad, h_pad, t_after) != (w_pad2, h_pad2, 0):
-            raise NotImplementedError(f"unexpected WanCausalConv3d padding {conv._padding}")
+            raise NotImplementedError(f"unexpected WanCausalConv3d padding {padding}")
         halo = conv_row_halo(conv.kernel_size[1], conv.stride[1], h_pad)
 
         def forward(x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
@@ -226,14 +232,16 @@ class BandedVaeDecoder:
                 dist.P2POp(dist.irecv, incoming, neighbour, band.group),
             ]
             received.append((theirs, incoming))
-        works = dist.batch_isend_irecv(ops) if ops else []
+        with collective("the decode's halo exchange"):
+            works = dist.batch_isend_irecv(ops) if ops else []
         start = 0
         for part in parts:
             target = inner[:, :, start : start + part.shape[2]] if first.ndim == 5 else inner
             target[..., halo : halo + rows, :].copy_(part)
             start += part.shape[2] if first.ndim == 5 else 0
-        for work in works:
-            work.wait()
+        with collective("the decode's halo exchange"):
+            for work in works:
+                work.wait()
         for rows_slice, incoming in received:
             inner[..., rows_slice, :].copy_(incoming)
         self.counts["halo_exchange"] += 1
@@ -253,11 +261,13 @@ class BandedVaeDecoder:
         padded = padded.contiguous()
         pieces = [torch.empty_like(padded) for _ in range(band.count)]
         if dst is None:
-            dist.all_gather(pieces, padded, group=band.group)
+            with collective("the decode's row gather"):
+                dist.all_gather(pieces, padded, group=band.group)
             self.counts["all_gather"] += 1
         else:
             receiving = band.index == dst
-            dist.gather(padded, pieces if receiving else None, group_dst=dst, group=band.group)
+            with collective("the decode's row gather"):
+                dist.gather(padded, pieces if receiving else None, group_dst=dst, group=band.group)
             self.counts["gather"] += 1
             if not receiving:
                 return None

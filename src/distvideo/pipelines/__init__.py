@@ -1,7 +1,24 @@
-"""Pipelines: a request dataclass flowing through explicit stages; one class per model family."""
+"""Pipelines: a request dataclass flowing through explicit stages; one class per model family (its registry entry's
+`pipeline` key)."""
 
 from distvideo.pipelines.wan import WanT2VPipeline
+from distvideo.pipelines.wan22_a14b import Wan22I2VA14BPipeline, Wan22T2VA14BPipeline
+from distvideo.pipelines.wan22_ti2v import Wan22TI2VPipeline
+from distvideo.pipelines.wan_i2v import WanI2VPipeline
 
-PIPELINES = {"wan_t2v": WanT2VPipeline}
+PIPELINES = {
+    "wan_t2v": WanT2VPipeline,
+    "wan_i2v": WanI2VPipeline,
+    "wan22_t2v_a14b": Wan22T2VA14BPipeline,
+    "wan22_i2v_a14b": Wan22I2VA14BPipeline,
+    "wan22_ti2v_5b": Wan22TI2VPipeline,
+}
 
-__all__ = ["PIPELINES", "WanT2VPipeline"]
+__all__ = [
+    "PIPELINES",
+    "Wan22I2VA14BPipeline",
+    "Wan22T2VA14BPipeline",
+    "Wan22TI2VPipeline",
+    "WanI2VPipeline",
+    "WanT2VPipeline",
+]

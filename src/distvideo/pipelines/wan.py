@@ -11,21 +11,20 @@ import functools
 import logging
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 from diffusers.utils.torch_utils import randn_tensor
 from tqdm.auto import tqdm
 
-from distvideo import envs
 from distvideo.config import GenerationRequest
-from distvideo.models.cpu_kernels import use_cpu_kernels
-from distvideo.models.text_padding import TextPaddingPlan
+from distvideo.models.compat import prompt_clean
+from distvideo.models.registry import ModelInfo
+from distvideo.pipelines.control import StepControl
 
 if TYPE_CHECKING:
     from distvideo.parallel.context import ParallelContext
@@ -50,35 +49,28 @@ class WanBatch:
 
 
 class WanT2VPipeline:
-    """Runs one request on one rank. Parallel plans (sequence/CFG parallel, parallel VAE) are applied
-    to the components by the worker; the stages below stay the algorithm."""
+    """Runs one request on one rank. The worker applies every plan (speed plans, and the parallel ones: sequence/CFG
+    parallel, parallel VAE) to the components before building the pipeline; the stages below stay the algorithm."""
 
     def __init__(
         self,
         components: dict[str, Any],
         device: torch.device,
+        model: ModelInfo,
         *,
         show_progress: bool = True,
         parallel: ParallelContext | None = None,  # None: one rank
     ):
         self.parallel = parallel
+        self.model = model
         self.tokenizer = components["tokenizer"]
         self.text_encoder = components["text_encoder"].to(device).eval()
         self.transformer = components["transformer"].to(device).eval()
         self.vae = components["vae"].to(device).eval()
-        # the text padding as one weighted key in cross-attention (exact in math; models/text_padding.py)
-        self.text_padding = TextPaddingPlan()
-        if envs.get("DISTVIDEO_COMPACT_TEXT_PADDING"):
-            self.text_padding.apply(self.transformer)
-        if envs.get("DISTVIDEO_CPU_KERNELS"):  # CPU tensors only, decided per call (models/cpu_kernels.py)
-            use_cpu_kernels(self.vae)
-            use_cpu_kernels(self.transformer)
         self.scheduler_config = components["scheduler"].config
         self.scheduler_cls = type(components["scheduler"])
         self.device = device
         self.show_progress = show_progress
-        self.vae_scale_temporal = int(self.vae.config.scale_factor_temporal)
-        self.vae_scale_spatial = int(self.vae.config.scale_factor_spatial)
         # the decode constants are fixed per model: build them once, not per request
         z = self.vae.config.z_dim
         self._latents_mean = torch.tensor(self.vae.config.latents_mean).view(1, z, 1, 1, 1)
@@ -124,21 +116,11 @@ class WanT2VPipeline:
         batch.scheduler = scheduler
         batch.timesteps = scheduler.timesteps
 
-    def latent_shape(self, request: GenerationRequest) -> tuple[int, int, int, int, int]:
-        assert request.num_frames is not None and request.height is not None and request.width is not None
-        return (
-            1,
-            int(self.transformer.config.in_channels),
-            (request.num_frames - 1) // self.vae_scale_temporal + 1,
-            request.height // self.vae_scale_spatial,
-            request.width // self.vae_scale_spatial,
-        )
-
     def prepare_latents(self, batch: WanBatch) -> None:
         # drawn on a CPU generator seeded by the request: every rank draws the same noise, no broadcast
         generator = torch.Generator("cpu").manual_seed(batch.request.seed)
         batch.latents = randn_tensor(
-            self.latent_shape(batch.request), generator=generator, device=self.device, dtype=torch.float32
+            self.model.latent_shape(batch.request), generator=generator, device=self.device, dtype=torch.float32
         )
 
     def predict_noise(self, latents: torch.Tensor, t: torch.Tensor, batch: WanBatch) -> torch.Tensor:
@@ -151,27 +133,39 @@ class WanT2VPipeline:
                 hidden_states=model_input, timestep=timestep, encoder_hidden_states=embeds, return_dict=False
             )[0]
 
+        assert batch.request.guidance_scale is not None
+        return self.guided(noise, batch, batch.request.guidance_scale)
+
+    def guided(self, noise: Callable[[torch.Tensor], torch.Tensor], batch: WanBatch, scale: float) -> torch.Tensor:
+        """Classifier-free guidance over `noise(text embeddings)`: uncond + scale * (cond - uncond), or cond alone
+        without guidance. Under CFG parallelism this rank runs one branch; one all-gather per step brings the other."""
         if self.parallel is not None and self.parallel.cfg_parallel:
-            # CFG parallelism: this rank runs one branch; one all-gather per step brings the other
             cond, uncond = self.parallel.cfg_branches(
                 noise, batch.prompt_embeds, batch.negative_prompt_embeds, batch.do_cfg
             )
         else:
+            assert batch.prompt_embeds is not None
             cond = noise(batch.prompt_embeds)
-            uncond = noise(batch.negative_prompt_embeds) if batch.do_cfg else None
+            uncond = None
+            if batch.do_cfg:
+                assert batch.negative_prompt_embeds is not None
+                uncond = noise(batch.negative_prompt_embeds)
         if uncond is None:
             return cond
-        return uncond + batch.request.guidance_scale * (cond - uncond)
+        return uncond + scale * (cond - uncond)
 
     @torch.no_grad()
-    def denoise(self, batch: WanBatch) -> None:
+    def denoise(self, batch: WanBatch, control: StepControl | None = None) -> None:
         assert batch.latents is not None and batch.timesteps is not None
         latents = batch.latents
-        with self._progress(len(batch.timesteps)) as bar:
-            for t in batch.timesteps:
+        total = len(batch.timesteps)
+        with self._progress(total) as bar:
+            for done, t in enumerate(batch.timesteps, start=1):
                 noise_pred = self.predict_noise(latents, t, batch)
                 latents = batch.scheduler.step(noise_pred, t, latents, return_dict=False)[0]
                 bar.update()
+                if control is not None:  # progress, and a stop (cancel, deadline) decided alike on every rank
+                    control.after_step(done, total)
         batch.latents = latents
 
     @torch.no_grad()
@@ -194,8 +188,9 @@ class WanT2VPipeline:
         batch.frames = frames.cpu().numpy()
 
     # -- driver ----------------------------------------------------------------------------------
-    def __call__(self, request: GenerationRequest) -> WanBatch:
-        """Run all stages for a request whose fields are resolved (see ModelInfo.resolve_request)."""
+    def __call__(self, request: GenerationRequest, control: StepControl | None = None) -> WanBatch:
+        """Run all stages for a request whose fields are resolved (see ModelInfo.resolve_request); `control` reports
+        progress and may stop the request between denoising steps."""
         assert request.guidance_scale is not None
         batch = WanBatch(request=request, do_cfg=request.guidance_scale > 1.0)
         with self._timed(batch, "text_encoding"):
@@ -205,11 +200,12 @@ class WanT2VPipeline:
         with self._timed(batch, "latents"):
             self.prepare_latents(batch)
         with self._timed(batch, "denoising"):
-            self.denoise(batch)
+            self.denoise(batch, control)
         with self._timed(batch, "decoding"):
             self.decode(batch)
         with self._timed(batch, "frames"):
             self.to_frames(batch)
+        assert batch.timesteps is not None
         batch.timings["per_step_denoising"] = batch.timings["denoising"] / max(1, len(batch.timesteps))
         return batch
 

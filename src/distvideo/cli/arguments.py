@@ -1,0 +1,136 @@
+"""Command-line flags generated from the config dataclasses, shared by every subcommand (generate, bench, serve).
+
+Each flag comes from one field of EngineConfig or GenerationRequest: its name (``num_gpus`` -> ``--num-gpus``, or the
+field's ``flag``), its type, its choices (the constants in distvideo.config) and its help (the field's metadata), so
+a new field is a new flag everywhere at once and `configs_from_args` maps the flags back to the dataclasses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import types
+import typing
+from typing import Any
+
+from distvideo.config import EngineConfig, GenerationRequest, LoraSpec, load_config_file
+from distvideo.errors import ConfigError
+
+# GenerationRequest fields offered on the command line, with their help and (where it differs) their flag
+REQUEST_FLAGS: dict[str, dict[str, Any]] = {
+    "prompt": {"help": "what the video shows"},
+    "negative_prompt": {"help": "what to steer away from (default: empty)"},
+    "image": {"help": "first frame of an image-to-video model (an image file)", "parse": "path", "metavar": "PATH"},
+    "num_frames": {"help": "frames (for Wan: of the form 4k+1)"},
+    "height": {"help": "pixels, a multiple of the model's spatial stride"},
+    "width": {"help": "pixels, a multiple of the model's spatial stride"},
+    "num_inference_steps": {"help": "denoising steps", "flag": "--steps"},
+    "guidance_scale": {"help": "CFG scale (<= 1 turns it off)"},
+    "guidance_scale_2": {"help": "CFG scale of the low-noise expert (Wan2.2 A14B; default: the model's)"},
+    "boundary_ratio": {"help": "switch to the low-noise expert below this fraction of the timesteps (Wan2.2 A14B)"},
+    "seed": {"help": "noise seed (default 0)"},
+    "fps": {"help": "frames per second of the saved video (default: the model's, 16 for Wan2.1)"},
+    "output_path": {"help": "a .mp4 file, or a folder (default: outputs/)", "flag": "--output"},
+    "request_timeout": {"help": "seconds; the request stops at the next denoising step after it", "parse": "seconds"},
+}
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive, finite number of seconds, got {text!r}")
+    return value
+
+
+def _lora(text: str) -> LoraSpec:
+    try:
+        return LoraSpec.parse(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _base_type(hint: Any) -> Any:
+    """int for `int | None`, bool for `bool | None`, ..."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)] if isinstance(hint, types.UnionType) else [hint]
+    return args[0]
+
+
+def _add_field(parser: argparse.ArgumentParser, f: dataclasses.Field[Any], hint: Any, meta: dict[str, Any]) -> None:
+    flag = meta.get("flag", "--" + f.name.replace("_", "-"))
+    base = _base_type(hint)
+    kwargs: dict[str, Any] = {"dest": f.name, "default": None, "help": meta.get("help")}
+    if base is bool:
+        kwargs["action"] = argparse.BooleanOptionalAction
+    elif meta.get("parse") == "lora":
+        kwargs.update(action="append", type=_lora, metavar=meta.get("metavar"))
+    else:
+        kwargs["type"] = {"seconds": _seconds, "path": str}.get(meta.get("parse", ""), base)
+        if "metavar" in meta:
+            kwargs["metavar"] = meta["metavar"]
+        if "choices" in meta:
+            kwargs["choices"] = meta["choices"]
+            if f.name == "log_level":
+                kwargs["type"] = str.upper
+    parser.add_argument(flag, **kwargs)
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field, plus --config (a YAML or JSON file the flags override)."""
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        _add_field(parser, f, hints[f.name], dict(f.metadata))
+    parser.add_argument("--config", help="YAML or JSON file with 'engine' and 'request' sections; flags override it")
+
+
+def add_request_arguments(parser: argparse.ArgumentParser, defaults: dict[str, Any] | None = None) -> None:
+    """The GenerationRequest fields of REQUEST_FLAGS; `defaults` changes a help text's default where a subcommand
+    has its own (the bench's prompt)."""
+    hints = typing.get_type_hints(GenerationRequest)
+    fields = {f.name: f for f in dataclasses.fields(GenerationRequest)}
+    for name, meta in REQUEST_FLAGS.items():
+        _add_field(parser, fields[name], hints[name], meta)
+    if defaults:
+        parser.set_defaults(**defaults)
+
+
+def request_fields_given(args: argparse.Namespace) -> set[str]:
+    """The GenerationRequest fields set by a flag or by the config file's request section (the rest take the model's
+    defaults, `fps` included)."""
+    given = {name for name in REQUEST_FLAGS if getattr(args, name, None) is not None}
+    if getattr(args, "config", None):
+        given |= set(load_config_file(args.config)["request"])
+    return given
+
+
+def engine_config_from_args(args: argparse.Namespace) -> tuple[EngineConfig, dict[str, Any]]:
+    """The EngineConfig from --config's 'engine' section and the engine flags (validated), and the file's 'request'
+    section as it was read (checked values)."""
+    file_values: dict[str, dict[str, Any]] = {"engine": {}, "request": {}}
+    if getattr(args, "config", None):
+        file_values = load_config_file(args.config)
+    engine = dict(file_values["engine"])
+    for f in dataclasses.fields(EngineConfig):
+        value = getattr(args, f.name, None)
+        if value is not None:
+            engine[f.name] = value
+    engine_config = EngineConfig(**engine)
+    engine_config.validate()
+    return engine_config, dict(file_values["request"])
+
+
+def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, GenerationRequest]:
+    """Config file first, then every flag that was given on the command line; both validated (no model needed)."""
+    engine_config, request = engine_config_from_args(args)
+    for name in REQUEST_FLAGS:
+        value = getattr(args, name, None)
+        if value is not None:
+            request[name] = value
+    if not request.get("prompt"):
+        raise ConfigError("--prompt: required (or 'request.prompt' in --config); e.g. --prompt 'a cat surfing'")
+    gen_request = GenerationRequest(**request)
+    gen_request.validate()
+    return engine_config, gen_request

@@ -1,0 +1,100 @@
+"""Devices, dtypes, threads and memory figures of one rank: small pure helpers the worker and the bench share."""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+
+import torch
+
+from distvideo import envs
+
+logger = logging.getLogger(__name__)
+
+
+def default_num_threads(local_world_size: int | None) -> int | None:
+    """Intra-op threads for one rank: DISTVIDEO_NUM_THREADS, else the user's OMP_NUM_THREADS, else
+    cores / ranks on this node. torchrun sets OMP_NUM_THREADS=1 itself, which is not the user's
+    choice, so under torchrun a value of 1 is overridden unless DISTVIDEO_NUM_THREADS says so."""
+    explicit = envs.get("DISTVIDEO_NUM_THREADS")
+    if explicit:
+        return int(explicit)
+    omp = envs.get("OMP_NUM_THREADS")
+    if omp and not (omp == "1" and envs.is_set("TORCHELASTIC_RUN_ID")):
+        return None  # the user's setting; torch already honours it
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, local_world_size or 1))
+
+
+def select_device(requested: str | None, local_rank: int) -> torch.device:
+    if requested:
+        return torch.device(requested)
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        if local_rank < count:
+            return torch.device("cuda", local_rank)
+        if count == 1:
+            logger.info("local rank %d sees one GPU (per-task binding); using cuda:0", local_rank)
+            return torch.device("cuda", 0)
+        raise RuntimeError(
+            f"local rank {local_rank} has no GPU: {count} visible (CUDA_VISIBLE_DEVICES="
+            f"{envs.get_raw('CUDA_VISIBLE_DEVICES')!r}). Launch at most {count} ranks per node, or bind one GPU "
+            "per task (srun --gpus-per-task=1, or set CUDA_VISIBLE_DEVICES per rank)."
+        )
+    return torch.device("cpu")
+
+
+def component_dtypes(device: torch.device, dtype: str | None) -> dict[str, torch.dtype]:
+    """float32 on CPU; on GPUs bfloat16 for the transformers and text encoder and float32 for the VAE
+    (Wan's VAE is sensitive to reduced precision) and the CLIP image encoder (as diffusers documents for Wan I2V),
+    unless `dtype` says otherwise (the transformers and the text encoder)."""
+    if dtype is not None:
+        main = getattr(torch, dtype)
+    else:
+        main = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {
+        "transformer": main,
+        "transformer_2": main,
+        "text_encoder": main,
+        "vae": torch.float32,
+        "image_encoder": torch.float32,
+    }
+
+
+def reset_peak_memory(device: torch.device) -> str:
+    """Start a new peak-memory window; returns the name of the metric :func:`peak_memory_mb` will report."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return "cuda max_memory_allocated"
+    try:  # Linux >= 4.0: "5" resets the resident-set high-water mark (VmHWM) to the current RSS
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return "peak RSS of the run (VmHWM after reset)"
+    except OSError:
+        return "peak RSS of the process lifetime (VmHWM, no reset possible)"
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak memory since :func:`reset_peak_memory`, in MiB: CUDA max allocated, or the process's peak RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0  # kB
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Memory a request can still take: the free memory of a CUDA device, the available RAM of the machine on CPU
+    (shared by every rank on it)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    import psutil
+
+    return int(psutil.virtual_memory().available)

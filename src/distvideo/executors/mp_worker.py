@@ -1,0 +1,224 @@
+"""The mp executor's worker process: one spawned rank that starts a Worker, reports, and serves the driver's calls
+until shutdown or end of file; it ends itself when the driver dies (parent death signal, a watchdog on the parent
+pid, end of file on the pipe)."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import dataclasses
+import functools
+import logging
+import multiprocessing
+import multiprocessing.util
+import os
+import pickle
+import signal
+import socket
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+from multiprocessing.shared_memory import SharedMemory
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from distvideo.engine import ResolvedEngine
+from distvideo.executors.base import RankStatus, run_guarded
+from distvideo.executors.mp_wire import (
+    HEADER,
+    IN_SHM,
+    OP_BATCH,
+    OP_FORWARD,
+    OP_SHUTDOWN,
+    STARTUP_ID,
+    ControlBlock,
+    ItemNote,
+    ProgressNote,
+    dumps,
+    export_frames,
+    segment_buffer,
+)
+
+if TYPE_CHECKING:
+    from distvideo.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+PARENT_POLL_S = 0.5
+
+
+def _set_parent_death_signal(sig: int) -> bool:
+    """Linux prctl(PR_SET_PDEATHSIG): the kernel sends `sig` when the parent (thread) ends."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.prctl(1, sig, 0, 0, 0)) == 0  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return False
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Leave when the driver is gone (re-parented), even while the main thread is busy in a call."""
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(1)
+        time.sleep(PARENT_POLL_S)
+
+
+def _bind_gloo_to_loopback() -> None:
+    """Spawned ranks all live on this machine: gloo listens on the loopback interface only (it would otherwise bind
+    to the address the host name resolves to, reachable from the network)."""
+    from distvideo import envs
+
+    loopback = next((name for _, name in socket.if_nameindex() if name in ("lo", "lo0")), None)
+    if loopback is not None:
+        envs.set_external({"GLOO_SOCKET_IFNAME": loopback})
+    else:
+        logger.debug("no loopback interface found; gloo binds where the host name resolves")
+
+
+def _detach_stdin() -> None:
+    # multiprocessing replaces sys.stdin, but descriptor 0 still points at the driver's terminal
+    with contextlib.suppress(OSError):
+        fd = os.open(os.devnull, os.O_RDONLY)
+        if fd != 0:
+            os.dup2(fd, 0)
+            os.close(fd)
+
+
+def worker_main(
+    conn: Connection,
+    engine: ResolvedEngine,
+    rank: int,
+    init_method: str,
+    control_name: str,
+    *,
+    parent_pid: int,
+    parent_death_signal: bool,
+) -> None:
+    """One spawned rank: start the Worker, report, then serve calls until shutdown or end of file."""
+    if parent_death_signal:
+        _set_parent_death_signal(signal.SIGKILL)
+    if os.getppid() != parent_pid:  # the driver died before the signal was armed
+        os._exit(1)
+    threading.Thread(target=_watch_parent, args=(parent_pid,), name="distvideo-parent-watchdog", daemon=True).start()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the driver decides
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked at spawn; ignored from now on
+    _detach_stdin()
+    _bind_gloo_to_loopback()
+
+    from tqdm import tqdm
+
+    from distvideo.logging_utils import configure_logging, set_log_rank
+    from distvideo.worker import RankInfo, Worker
+
+    # tqdm's default lock includes a named POSIX semaphore (for bars shared between processes). A worker that is
+    # SIGKILLed cannot unlink it, and the resource tracker then warns about leaked semaphores when the driver exits.
+    # A worker's bars are its own: a lock local to the process is enough.
+    tqdm.set_lock(threading.RLock())
+    set_log_rank(rank)
+    configure_logging(engine.config.log_level)
+    rank_info = RankInfo.spawned(rank, engine.world_size, init_method)
+    worker: Worker | None = None
+    phase = "Worker()"
+    try:
+        worker = Worker(engine, rank_info)
+        phase = "init_device"
+        worker.init_device()
+        phase = "load_model"
+        worker.load_model()
+    except BaseException as exc:
+        status = RankStatus.from_exception(rank, exc)
+        status.error_message = f"{status.error_message} (in {phase})"
+        with contextlib.suppress(OSError):
+            conn.send_bytes(pickle.dumps((STARTUP_ID, status.for_transport())))
+        if worker is not None:
+            with contextlib.suppress(Exception):
+                worker.shutdown()
+        _leave(1)
+    conn.send_bytes(pickle.dumps((STARTUP_ID, RankStatus(rank=rank, ok=True, result="ready"))))
+    try:
+        _serve(conn, worker, rank, ControlBlock(control_name))
+    finally:
+        worker.shutdown()
+        logger.debug("worker stopped")
+    _leave(0)
+
+
+def _leave(code: int) -> NoReturn:
+    """Exit without finalising the interpreter: tearing down torch, diffusers and every module takes
+    seconds and nothing needs it. What a normal exit runs first still runs: multiprocessing's finalizers
+    (they unlink named semaphores, e.g. tqdm's lock) and the atexit handlers (logging flushes)."""
+    for cleanup in (getattr(multiprocessing.util, "_exit_function", None), atexit._run_exitfuncs):
+        with contextlib.suppress(Exception):
+            if cleanup is not None:
+                cleanup()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
+def _serve(conn: Connection, worker: Worker, rank: int, control: ControlBlock) -> None:
+    while True:
+        try:
+            message = conn.recv_bytes()
+        except (EOFError, OSError):
+            logger.debug("the driver closed the pipe; leaving")
+            return
+        call_id, op = HEADER.unpack_from(message)
+        if op == OP_SHUTDOWN:
+            return
+        payload = memoryview(message)[HEADER.size :]
+        call = functools.partial(_execute, worker, op, payload, conn, call_id, control)
+        status = run_guarded(rank, call)
+        try:
+            answer = dumps((call_id, status.for_transport()))
+        except Exception as exc:
+            unsendable = TypeError(
+                f"the result ({type(status.result).__name__}) cannot be sent to the driver: {type(exc).__name__}: {exc}"
+            )
+            answer = pickle.dumps((call_id, RankStatus.from_exception(rank, unsendable).for_transport()))
+        try:
+            conn.send_bytes(answer)
+        except OSError:
+            return  # the driver is gone
+
+
+def _execute(
+    worker: Worker, op: int, payload: memoryview, conn: Connection, call_id: int, control: ControlBlock
+) -> Any:
+    if op & IN_SHM:
+        name, size = pickle.loads(payload)
+        segment = SharedMemory(name=name)
+        try:
+            payload = memoryview(bytes(segment_buffer(segment)[:size]))
+        finally:
+            segment.close()
+        op &= ~IN_SHM
+    if op == OP_FORWARD:
+        request = pickle.loads(payload)
+
+        def progress(done: int, total: int) -> None:  # the output rank reports each step to the driver
+            conn.send_bytes(dumps((call_id, ProgressNote(done, total))))
+
+        output = worker.execute_method(
+            "execute_forward",
+            request,
+            on_progress=progress if worker.is_output_rank else None,
+            cancelled=lambda: control.cancelled(call_id),
+        )
+        return export_frames(output)
+    if op == OP_BATCH:
+        shares = pickle.loads(payload)
+
+        def report(outcome: Any) -> None:  # a replica's output rank, after every item: its frames via shared memory
+            output, shared = export_frames(outcome.output) if outcome.output is not None else (None, None)
+            conn.send_bytes(dumps((call_id, ItemNote(dataclasses.replace(outcome, output=output), shared))))
+
+        return worker.execute_method("execute_batch", shares, report, cancelled=lambda: control.cancelled(call_id))
+    method, args, kwargs = pickle.loads(payload)
+    return worker.execute_method(method, *args, **kwargs)

@@ -1,0 +1,89 @@
+"""Which executor runs an engine, and the engine resolved once for it (`resolve_engine`), before any process starts
+or weight loads: bad paths, impossible layouts and a world size that disagrees with the launcher fail here."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping
+
+from distvideo.config import EngineConfig
+from distvideo.engine import ResolvedEngine
+from distvideo.errors import ConfigError
+from distvideo.executors.base import Executor
+from distvideo.launch import LaunchEnv, launcher_rank_present, read_launch_environ, resolve_launch_env
+from distvideo.models.embedded import embedded_model_path
+from distvideo.models.hub import resolve_model
+from distvideo.models.loading import verify_component_files
+from distvideo.models.registry import probe_model
+from distvideo.parallel.layout import resolve_layout
+
+logger = logging.getLogger(__name__)
+
+
+def choose_executor(config: EngineConfig, launcher_present: bool) -> str:
+    """ "auto": external under a launcher, mp for more than one rank, else inline."""
+    if config.executor != "auto":
+        return config.executor
+    if launcher_present:
+        return "external"
+    return "mp" if (config.num_gpus or 1) > 1 else "inline"
+
+
+def resolve_external_env(config: EngineConfig, environ: Mapping[str, str] | None = None) -> LaunchEnv:
+    """The launcher's environment for the external executor; num_gpus, when given, must match its world size."""
+    try:
+        env = resolve_launch_env(read_launch_environ() if environ is None else environ)
+    except (ValueError, RuntimeError) as exc:
+        raise ConfigError(f"executor='external': {exc}") from None
+    if config.num_gpus is not None and config.num_gpus != env.world_size:
+        raise ConfigError(
+            f"num_gpus={config.num_gpus} but the launcher ({env.launcher}) started {env.world_size} processes; "
+            f"pass num_gpus={env.world_size} (the total number of launched processes) or leave it unset"
+        )
+    return env
+
+
+def resolve_engine(config: EngineConfig, environ: Mapping[str, str] | None = None) -> ResolvedEngine:
+    """Validate `config`, read the model's JSON files and weight-file headers, choose the executor and the layout.
+    Reads no weights and starts no process; every mistake is a ConfigError (exit 2)."""
+    config.validate()
+    if config.model is None:
+        config = dataclasses.replace(config, model=str(embedded_model_path()))
+    else:  # a Hugging Face repo id becomes its snapshot folder in the hub cache (downloaded once per node if missing)
+        config = dataclasses.replace(config, model=resolve_model(str(config.model)))
+    model = probe_model(str(config.model))
+    verify_component_files(model, allow_pickle_weights=bool(config.allow_pickle_weights))
+    environ = read_launch_environ() if environ is None else environ
+    kind = choose_executor(config, launcher_rank_present(environ))
+    launch = resolve_external_env(config, environ) if kind == "external" else None
+    if kind == "inline" and (config.num_gpus or 1) != 1:
+        raise ConfigError(f"executor='inline' runs one rank; num_gpus={config.num_gpus} needs executor 'mp'")
+    world_size = launch.world_size if launch is not None else (config.num_gpus or 1)
+    layout = resolve_layout(
+        world_size,
+        sp_size=config.sp_size,
+        cfg_parallel=config.cfg_parallel,
+        num_heads=model.num_attention_heads,
+        replicas=config.replicas,
+    )
+    logger.debug("executor %s, parallel layout: %s", kind, layout.describe())
+    config = dataclasses.replace(config, executor=kind).with_defaults()
+    return ResolvedEngine(config=config, model=model, layout=layout, launch=launch)
+
+
+def create_executor(engine: ResolvedEngine) -> Executor:
+    """Start the engine's ranks and load the model on each (the expensive part)."""
+    if engine.executor == "inline":
+        from distvideo.executors.inline import InlineExecutor
+
+        return InlineExecutor(engine)
+    if engine.executor == "external":
+        from distvideo.executors.external import ExternalExecutor
+
+        return ExternalExecutor(engine)
+    if engine.executor == "mp":
+        from distvideo.executors.mp import MultiprocExecutor
+
+        return MultiprocExecutor(engine)
+    raise ConfigError(f"executor={engine.executor!r} is not supported")

@@ -1,0 +1,167 @@
+"""Every private name of diffusers and torch that distvideo relies on, in one module, with a version check.
+
+The plans (Ulysses, banded decode, text padding, CPU kernels) change diffusers' Wan modules in place. Where
+diffusers offers a public way (hooks, ``set_processor``) they use it; what remains private is reached only through
+the functions below, so a diffusers or torch upgrade that renames something breaks here, in one file, with a message
+naming the installed version. ``check_private_names()`` runs when the first plan is applied.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+#: diffusers releases the plans were tested with (inclusive, by minor version); others are checked name by name.
+TESTED_DIFFUSERS = ((0, 35), (0, 42))
+
+# module -> the private (or deep, unexported) names taken from it
+_DIFFUSERS_NAMES = {
+    "diffusers.models.transformers.transformer_wan": ("_get_qkv_projections", "WanAttnProcessor"),
+    "diffusers.models.attention_dispatch": ("dispatch_attention_fn",),
+    "diffusers.models.autoencoders.autoencoder_kl_wan": ("WanCausalConv3d", "WanAttentionBlock", "WanRMS_norm"),
+    "diffusers.pipelines.wan.pipeline_wan": ("prompt_clean",),
+}
+# attributes of diffusers objects read or written: (class, attribute, how it is checked)
+_DIFFUSERS_ATTRIBUTES = (
+    ("diffusers.models.transformers.transformer_wan", "WanAttnProcessor", "_attention_backend"),
+    ("diffusers.models.transformers.transformer_wan", "WanAttnProcessor", "_parallel_config"),
+)
+
+
+class UnsupportedLibraryError(RuntimeError):
+    """An installed diffusers or torch lacks a private name distvideo's plans need."""
+
+
+def _version_tuple(version: str) -> tuple[int, int]:
+    parts = version.split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return (0, 0)
+
+
+@functools.lru_cache(maxsize=1)
+def check_private_names() -> None:
+    """Raise UnsupportedLibraryError naming the diffusers/torch version and the missing name when a private name
+    this module maps is gone; log once when diffusers is outside the tested range but everything is present."""
+    import importlib
+
+    import diffusers
+
+    version = diffusers.__version__
+    missing = []
+    for module_name, names in _DIFFUSERS_NAMES.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            missing.append(module_name)
+            continue
+        missing += [f"{module_name}.{name}" for name in names if not hasattr(module, name)]
+    for module_name, cls_name, attribute in _DIFFUSERS_ATTRIBUTES:
+        cls = getattr(importlib.import_module(module_name), cls_name, None)
+        if cls is not None and not hasattr(cls, attribute):
+            missing.append(f"{module_name}.{cls_name}.{attribute}")
+    if not hasattr(nn.Conv3d, "_conv_forward"):
+        missing.append(f"torch.nn.Conv3d._conv_forward (torch {torch.__version__})")
+    if missing:
+        (lo_major, lo_minor), (hi_major, hi_minor) = TESTED_DIFFUSERS
+        raise UnsupportedLibraryError(
+            f"diffusers {version} lacks what distvideo's plans use: {', '.join(missing)}. distvideo is tested with "
+            f"diffusers {lo_major}.{lo_minor} to {hi_major}.{hi_minor}: install one of those, e.g. "
+            f"pip install 'diffusers>={lo_major}.{lo_minor},<{hi_major}.{hi_minor + 1}'"
+        )
+    if not TESTED_DIFFUSERS[0] <= _version_tuple(version) <= TESTED_DIFFUSERS[1]:
+        logger.warning(
+            "diffusers %s is outside the versions distvideo was tested with; its private names are present", version
+        )
+
+
+# --- diffusers: Wan transformer -------------------------------------------------------------------------------------
+def wan_qkv_projections(attn: Any, hidden_states: torch.Tensor, encoder_hidden_states: Any) -> Any:
+    """(query, key, value) projections of a Wan attention module, as diffusers' WanAttnProcessor computes them
+    (fused projections included)."""
+    from diffusers.models.transformers.transformer_wan import _get_qkv_projections
+
+    return _get_qkv_projections(attn, hidden_states, encoder_hidden_states)
+
+
+def dispatch_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, backend: Any) -> torch.Tensor:
+    """diffusers' attention dispatcher (the backend a processor was configured with), no mask, no dropout."""
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+    return dispatch_attention_fn(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, backend=backend)
+
+
+def attention_backend(processor: Any) -> Any:
+    """The attention backend a diffusers processor was set to (None: diffusers' default)."""
+    return getattr(processor, "_attention_backend", None)
+
+
+#: Class attributes a processor of ours declares so diffusers treats it like its own Wan processors: the attention
+#: backend it dispatches to, and no diffusers context parallelism (ours replaces it).
+PROCESSOR_PROTOCOL_ATTRIBUTES = {"_attention_backend": None, "_parallel_config": None}
+
+
+# --- diffusers: Wan VAE ---------------------------------------------------------------------------------------------
+def wan_vae_classes() -> tuple[Any, Any]:
+    """(WanCausalConv3d, WanAttentionBlock): the decoder modules the banded decode patches or hooks."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanAttentionBlock, WanCausalConv3d
+
+    return WanCausalConv3d, WanAttentionBlock
+
+
+def causal_conv_padding(conv: Any) -> tuple[int, int, int, int, int, int]:
+    """A WanCausalConv3d's padding as F.pad takes it: (left, right, top, bottom, frames before, frames after)."""
+    w1, w2, h1, h2, t1, t2 = (int(p) for p in conv._padding)
+    return w1, w2, h1, h2, t1, t2
+
+
+def is_wan_rms_norm(module: nn.Module) -> bool:
+    return type(module).__name__ == "WanRMS_norm"
+
+
+def rms_norm_parts(norm: Any) -> tuple[int, float, torch.Tensor, Any]:
+    """(normalised dim, scale, gamma, bias) of a WanRMS_norm: its output is F.normalize(x, dim) * scale * gamma
+    + bias."""
+    return (1 if norm.channel_first else -1), norm.scale, norm.gamma, norm.bias
+
+
+def prompt_clean(text: str) -> str:
+    """diffusers' Wan prompt cleaning (ftfy when installed, HTML unescape, whitespace), for parity with WanPipeline."""
+    from diffusers.pipelines.wan.pipeline_wan import prompt_clean as clean
+
+    return clean(text)
+
+
+# --- torch ----------------------------------------------------------------------------------------------------------
+def conv_forward(conv: nn.Conv3d) -> Callable[..., torch.Tensor]:
+    """The convolution's ``_conv_forward(x, weight, bias)``, bound to it."""
+    return conv._conv_forward
+
+
+def patch_conv_forward(conv: nn.Conv3d, forward: Callable[..., torch.Tensor]) -> Callable[[], None]:
+    """Replace a convolution's ``_conv_forward(x, weight, bias)`` (which ``forward`` and wrappers that pad first
+    call) on this instance; returns the undo."""
+    conv._conv_forward = forward  # type: ignore[method-assign]
+    return lambda: delattr(conv, "_conv_forward")
+
+
+def conv_forward_is_patched(conv: nn.Conv3d) -> bool:
+    return "_conv_forward" in vars(conv)
+
+
+def tensor_version(x: torch.Tensor) -> int:
+    """The version counter every in-place change of `x` bumps."""
+    return int(x._version)
+
+
+def abort_process_group() -> Callable[[], None] | None:
+    """torch's abort of every process group (NCCL: returns without waiting on peers), or None when absent."""
+    return getattr(torch.distributed.distributed_c10d, "_abort_process_group", None)

@@ -1,0 +1,169 @@
+"""Admission: a POST body becomes a resolved GenerationRequest, or an error naming the field, before anything is
+queued. The model's own rules come from `ModelInfo.resolve_request` (the same check `distvideo generate` runs)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from distvideo.config import GenerationRequest
+from distvideo.errors import ConfigError
+from distvideo.models.registry import ModelInfo
+from distvideo.serving.options import ServeLimits
+from distvideo.serving.schemas import VideoCreate
+
+#: request fields a config file's `request` section may preset for every job (the rest belong to each request)
+PRESETTABLE = ("negative_prompt", "num_frames", "num_inference_steps", "guidance_scale", "seed", "fps")
+_FIELD = re.compile(r"^([a-z_]+)\b")
+
+
+class ApiError(Exception):
+    """An answer other than success: HTTP status, a message for the person, the field it is about."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str = "invalid_value",
+        kind: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.headers = headers or {}
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What admitting a request needs to know; fixed for the life of the server."""
+
+    model: ModelInfo
+    model_id: str
+    limits: ServeLimits
+    output: Path
+    adapters: frozenset[str] = frozenset()
+    presets: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def takes_image(self) -> bool:
+        """Whether the served family takes a conditioning image (`input_reference`)."""
+        return self.model.family.takes_image
+
+    def admit(self, body: VideoCreate, job_id: str, image_path: str | None = None) -> tuple[dict[str, Any], Any]:
+        """(the job's fields as the API shows them, the resolved GenerationRequest). Raises ApiError(422)."""
+        if body.model is not None and body.model != self.model_id:
+            raise ApiError(
+                422, f"model={body.model!r} is not served here; this server runs {self.model_id!r}", param="model"
+            )
+        if image_path is not None and not self.takes_image:
+            raise ApiError(
+                422,
+                f"input_reference: {self.model_id} ({self.model.class_name}) is a text-to-video model and takes no "
+                "image; send the request without input_reference",
+                param="input_reference",
+            )
+        if body.lora is not None and body.lora.name not in self.adapters:
+            known = ", ".join(sorted(self.adapters)) or "none (start the server with --lora-adapter NAME=PATH)"
+            raise ApiError(422, f"lora.name={body.lora.name!r} is not registered; registered: {known}", param="lora")
+        request = self._request(body, job_id, image_path)
+        try:
+            resolved = self.model.resolve_request(request)
+        except ConfigError as exc:
+            raise ApiError(422, str(exc), param=self._param_of(exc, body)) from None
+        self._check_limits(resolved, body)
+        assert resolved.num_frames and resolved.width and resolved.height
+        api = {
+            "prompt": resolved.prompt,
+            "size": f"{resolved.width}x{resolved.height}",
+            "seconds": f"{(resolved.num_frames - 1) / resolved.fps:g}",
+            "num_frames": resolved.num_frames,
+            "fps": resolved.fps,
+            "seed": resolved.seed,
+            "num_inference_steps": resolved.num_inference_steps,
+            "guidance_scale": resolved.guidance_scale,
+            "negative_prompt": resolved.negative_prompt,
+            "lora": None if body.lora is None else {"name": body.lora.name, "strength": body.lora.strength},
+        }
+        return api, resolved
+
+    def _request(self, body: VideoCreate, job_id: str, image_path: str | None) -> GenerationRequest:
+        values: dict[str, Any] = {k: v for k, v in self.presets.items() if k in PRESETTABLE and v is not None}
+        for name in ("negative_prompt", "num_frames", "num_inference_steps", "guidance_scale", "seed", "fps"):
+            if getattr(body, name) is not None:
+                values[name] = getattr(body, name)
+        if body.size is not None:
+            width, height = (int(v) for v in body.size.split("x"))
+            values.update(width=width, height=height)
+        if body.seconds is not None:
+            values["num_frames"] = self._frames_of(body, int(values.get("fps", 16)))
+        if image_path is not None:
+            values["image"] = image_path
+        return GenerationRequest(
+            prompt=body.prompt,
+            output_path=str(self.output / f"{job_id}.mp4"),  # the server names the file, never the request
+            save_video=True,
+            return_frames=False,
+            **values,
+        )
+
+    @staticmethod
+    def _frames_of(body: VideoCreate, fps: int) -> int:
+        seconds = float(body.seconds)  # type: ignore[arg-type]
+        exact = seconds * fps + 1
+        frames = round(exact)
+        if abs(exact - frames) > 1e-6 or frames < 1:
+            raise ApiError(
+                422,
+                f"seconds={body.seconds} at fps={fps} is {exact - 1:g} frame intervals, not a whole number; "
+                f"num_frames = seconds x fps + 1 (e.g. seconds={max(1, round(seconds))} gives "
+                f"{max(1, round(seconds)) * fps + 1} frames), or give num_frames",
+                param="seconds",
+            )
+        if body.num_frames is not None and body.num_frames != frames:
+            raise ApiError(
+                422,
+                f"seconds={body.seconds} at fps={fps} means {frames} frames but num_frames={body.num_frames}; give one",
+                param="num_frames",
+            )
+        return frames
+
+    @staticmethod
+    def _param_of(exc: ConfigError, body: VideoCreate) -> str | None:
+        match = _FIELD.match(str(exc))
+        name = match.group(1) if match else None
+        if name in ("height", "width"):
+            return "size"
+        if name == "num_frames" and body.seconds is not None and body.num_frames is None:
+            return "seconds"
+        return name
+
+    def _check_limits(self, request: GenerationRequest, body: VideoCreate) -> None:
+        limits = self.limits
+        assert request.num_frames and request.width and request.height and request.num_inference_steps
+        if request.num_frames > limits.max_frames:
+            param = "seconds" if body.seconds is not None and body.num_frames is None else "num_frames"
+            raise ApiError(
+                422,
+                f"num_frames={request.num_frames} is more than this server's --max-frames={limits.max_frames}",
+                param=param,
+            )
+        if request.width * request.height > limits.max_pixels:
+            raise ApiError(
+                422,
+                f"size={request.width}x{request.height} has {request.width * request.height} pixels per frame, more "
+                f"than this server's --max-pixels={limits.max_pixels}",
+                param="size",
+            )
+        if request.num_inference_steps > limits.max_steps:
+            raise ApiError(
+                422,
+                f"num_inference_steps={request.num_inference_steps} is more than this server's "
+                f"--max-steps={limits.max_steps}",
+                param="num_inference_steps",
+            )
+        if len(request.prompt) > limits.max_prompt_chars:
+            raise ApiError(422, f"prompt: longer than {limits.max_prompt_chars} characters", param="prompt")

@@ -1,0 +1,162 @@
+"""The one loop that owns the engine. On rank 0 (or the only process) it takes admitted jobs one at a time, tells the
+other launched ranks (channel.py), runs the job, and records the outcome in the store; on every other launched rank
+`follow` runs the jobs rank 0 announces. Status is written here and read by the handlers from the store only."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from distvideo.config import GenerationRequest
+from distvideo.errors import (
+    ConfigError,
+    GenerationCancelled,
+    GenerationTimeout,
+    ProcessGroupBrokenError,
+    WorkerDiedError,
+)
+from distvideo.serving.adapters import Adapters
+from distvideo.serving.channel import JobChannel
+from distvideo.serving.jobs import STOPPING, UNHEALTHY, QueuedJob, Service
+from distvideo.serving.store import JobStore
+
+logger = logging.getLogger(__name__)
+
+#: errors after which the engine cannot run another job: the process exits nonzero so it is restarted
+FATAL = (WorkerDiedError, ProcessGroupBrokenError)
+
+
+class EngineLoop:
+    def __init__(
+        self, gen: Any, service: Service, store: JobStore, adapters: Adapters, channel: JobChannel | None = None
+    ):
+        self.gen, self.service, self.store, self.adapters, self.channel = gen, service, store, adapters, channel
+        self.broken: BaseException | None = None
+        self._lock = threading.Lock()
+        self._stop_reason: str | None = None
+        self._grace = 0.0
+        self._deadline: float | None = None  # once stopping: when the running job is cancelled
+
+    # -- any thread ------------------------------------------------------------------------------
+    def begin_shutdown(self, reason: str, grace: float) -> None:
+        """Stop admission, fail the queued jobs, give the running one `grace` seconds. Idempotent; the first reason
+        stays, a later call may only shorten the grace."""
+        with self._lock:
+            first = self._stop_reason is None
+            self._stop_reason = self._stop_reason or reason
+            deadline = time.monotonic() + grace
+            if self._deadline is not None and self._deadline <= deadline:
+                return
+            self._deadline, self._grace = deadline, grace
+        left = self.service.close(STOPPING, f"shutting down ({reason})")
+        if first:
+            logger.info("shutting down (%s): admission stopped, %d queued job(s) failed", reason, len(left))
+        for job in left:
+            self.store.mark_failed(
+                job.id, "server_shutdown", f"the server shut down ({reason}) before this job started"
+            )
+        timer = threading.Timer(grace, self._cancel_if_late)
+        timer.daemon = True
+        timer.start()
+
+    def cancel(self, job_id: str) -> bool:
+        """A client's DELETE of the running job: stop it at its next denoising step. False if it is not running."""
+        if not self.service.request_cancel(job_id):
+            return False
+        self.gen.cancel()  # if the request has not reached its first step yet, the progress callback repeats this
+        return True
+
+    def _cancel_if_late(self) -> None:
+        if self.service.running is not None:
+            self.gen.cancel()
+
+    # -- the engine's thread ---------------------------------------------------------------------
+    def run(self) -> int:
+        """Run jobs until shutdown; returns the exit code (1 when the engine broke)."""
+        try:
+            while (job := self.service.take()) is not None:
+                self._run(job)
+                if self.broken is not None:
+                    break
+        finally:
+            if self.channel is not None and self.broken is None:
+                missing = self.channel.stop_everyone(self._stop_reason or "stopped")
+                if missing:
+                    logger.warning("ranks %s did not confirm the stop", missing)
+            if self.channel is not None:
+                self.channel.request_stop("the service stopped")  # wakes rank 0's own stop watcher
+        return 1 if self.broken is not None else 0
+
+    def _run(self, job: QueuedJob) -> None:
+        self.store.mark_running(job.id)
+        start, outcome, timings = time.monotonic(), "failed", {}
+        try:
+            if self.channel is not None:
+                fields = dataclasses.asdict(job.request)
+                self.channel.publish({"kind": "job", "id": job.id, "request": fields, "lora": job.lora})
+            self.adapters.for_job(job.lora)
+            result = self.gen.generate_request(job.request, on_progress=lambda d, t: self._progress(job.id, d, t))
+        except GenerationCancelled as exc:
+            outcome = "cancelled"
+            self.store.mark_failed(job.id, *self._why_stopped(job.id, exc))
+        except FATAL as exc:
+            self._broke(job.id, exc)
+        except ConfigError as exc:
+            self.store.mark_failed(job.id, "invalid_request", str(exc))
+        except Exception as exc:
+            logger.warning("job %s failed: %s: %s", job.id, type(exc).__name__, exc)
+            self.store.mark_failed(job.id, "generation_failed", f"{type(exc).__name__}: {exc}")
+        else:
+            assert result.video_path is not None  # this process holds the output rank
+            outcome, timings = "completed", dict(result.timings)
+            self.store.mark_completed(job.id, Path(result.video_path).name, timings)
+        finally:
+            self.service.finished(job.id, outcome, time.monotonic() - start, timings)
+
+    def _progress(self, job_id: str, done: int, total: int) -> None:
+        self.store.set_progress(job_id, min(99, done * 100 // max(total, 1)))  # 100 once the file is written
+        deadline = self._deadline
+        if self.service.cancel_requested(job_id) or (deadline is not None and time.monotonic() >= deadline):
+            self.gen.cancel()  # inside the request: it stops after this step on every rank
+
+    def _why_stopped(self, job_id: str, exc: GenerationCancelled) -> tuple[str, str]:
+        if self.service.cancel_requested(job_id):
+            return "cancelled", f"cancelled by a DELETE request ({exc})"
+        if self._stop_reason is not None:
+            return "server_shutdown", (
+                f"the server shut down ({self._stop_reason}) and the job did not finish within the grace period of "
+                f"{self._grace:g} s ({exc})"
+            )
+        if isinstance(exc, GenerationTimeout):
+            return "timeout", str(exc)
+        return "cancelled", str(exc)
+
+    def _broke(self, job_id: str, exc: BaseException) -> None:
+        message = f"{type(exc).__name__}: {exc}"
+        logger.error("the engine failed during job %s; the service stops and exits 1: %s", job_id, message)
+        self.broken = exc
+        self.store.mark_failed(job_id, "engine_failure", message)
+        for job in self.service.close(UNHEALTHY, f"the engine failed: {message}"):
+            self.store.mark_failed(job.id, "engine_failure", f"the engine failed before this job started: {message}")
+
+
+def follow(gen: Any, channel: JobChannel, adapters: Adapters) -> int:
+    """A launched rank other than 0: run every job rank 0 announces, with the same request, until it says stop."""
+    while True:
+        message = channel.receive()
+        if message["kind"] == "stop":
+            logger.debug("rank 0 stopped the service: %s", message.get("reason"))
+            channel.acknowledge_stop()
+            return 0
+        lora = message.get("lora")
+        try:
+            adapters.for_job((str(lora[0]), float(lora[1])) if lora else None)
+            gen.generate_request(GenerationRequest(**message["request"]))
+        except FATAL:
+            raise
+        except Exception as exc:  # the same error reached rank 0, which records it
+            logger.debug("job %s ended with %s: %s", message.get("id"), type(exc).__name__, exc)

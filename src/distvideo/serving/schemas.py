@@ -1,0 +1,142 @@
+"""The API's bodies, in the shape of OpenAI's video API (`video` objects, lists with cursors, `{"error": {...}}`) with
+the engine's own request fields as extensions. FastAPI builds the OpenAPI schema from these models."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from distvideo.serving.store import JobRecord
+
+Status = Literal["queued", "in_progress", "completed", "failed"]
+SecondsText = Annotated[str, Field(pattern=r"^[0-9]{1,4}(\.[0-9]{1,6})?$")]
+SecondsNumber = Annotated[float, Field(gt=0, le=3600, allow_inf_nan=False)]
+
+
+class LoraChoice(BaseModel):
+    """A LoRA adapter the server registered (`--lora-adapter NAME=PATH`), applied to this job only."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=200)
+    strength: float = Field(1.0, ge=-100, le=100, allow_inf_nan=False)
+
+
+class VideoCreate(BaseModel):
+    """POST /v1/videos. Unset fields take the model's defaults (GET /v1/models)."""
+
+    model_config = ConfigDict(extra="forbid")
+    prompt: str = Field(min_length=1, max_length=20000, description="what the video shows")
+    model: str | None = Field(None, max_length=500, description="the served model's id (GET /v1/models)")
+    size: str | None = Field(
+        None, pattern=r"^[0-9]{1,5}x[0-9]{1,5}$", description="WIDTHxHEIGHT in pixels", examples=["832x480"]
+    )
+    seconds: SecondsText | SecondsNumber | None = Field(
+        None, description="duration: num_frames = seconds x fps + 1 (give seconds or num_frames)"
+    )
+    num_frames: int | None = Field(None, ge=1, le=100000, description="frames (for Wan: of the form 4k+1)")
+    fps: int | None = Field(None, ge=1, le=240, description="frames per second (default 16)")
+    seed: int | None = Field(None, ge=0, le=2**63 - 1, description="noise seed (default 0): same seed, same video")
+    num_inference_steps: int | None = Field(None, ge=1, le=100000, description="denoising steps")
+    guidance_scale: float | None = Field(None, ge=0, lt=10000, allow_inf_nan=False, description="CFG scale")
+    negative_prompt: str | None = Field(None, max_length=20000)
+    lora: LoraChoice | None = None
+
+
+class VideoError(BaseModel):
+    code: str
+    message: str
+
+
+class LoraApplied(BaseModel):
+    name: str
+    strength: float
+
+
+class Video(BaseModel):
+    id: str
+    object: Literal["video"] = "video"
+    model: str
+    status: Status
+    progress: int = Field(ge=0, le=100, description="percent; follows the denoising steps")
+    created_at: int
+    completed_at: int | None = None
+    expires_at: int | None = None
+    size: str
+    seconds: str
+    prompt: str
+    num_frames: int
+    fps: int
+    seed: int
+    num_inference_steps: int
+    guidance_scale: float
+    negative_prompt: str | None = None
+    lora: LoraApplied | None = None
+    error: VideoError | None = None
+
+    @classmethod
+    def of(cls, record: JobRecord) -> Video:
+        api = record.params["api"]
+        error = None
+        if record.status == "failed":
+            error = VideoError(code=record.error_code or "failed", message=record.error_message or "")
+        return cls(
+            id=record.id,
+            model=record.model,
+            status=record.status,  # type: ignore[arg-type]
+            progress=record.progress,
+            created_at=record.created_at,
+            completed_at=record.completed_at,
+            error=error,
+            **api,
+        )
+
+
+class VideoList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Video]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool = False
+
+
+class VideoDeleted(BaseModel):
+    id: str
+    object: Literal["video.deleted"] = "video.deleted"
+    deleted: bool
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "distvideo"
+    family: str
+    defaults: dict[str, float]
+    spatial_stride: int = Field(description="width and height must be multiples of it")
+    frames_per_latent: int = Field(description="num_frames must be of the form k x this + 1")
+    image_input: bool = Field(description="whether the model takes an input_reference image")
+    lora_adapters: list[str]
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: Literal["loading", "ok", "stopping", "unhealthy"]
+    detail: str | None = None
+    executor: str
+    world_size: int
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody

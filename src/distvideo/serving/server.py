@@ -1,0 +1,193 @@
+"""`distvideo serve`: one engine, loaded once, behind the HTTP API, on any executor.
+
+Rank 0 (or the only process) binds the port, opens the job store and starts the HTTP server before the model loads
+(/health says "loading" meanwhile), then runs the engine loop in the main thread. Under a launcher every other rank
+loads the model and follows rank 0's jobs (channel.py); no other rank opens a port. A stop signal on any rank stops
+admission, gives the running job the grace period, reaches every rank and exits 0; an engine failure exits 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import ipaddress
+import logging
+import os
+import socket
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from distvideo.config import EngineConfig
+from distvideo.engine import ResolvedEngine
+from distvideo.errors import ConfigError, ProcessGroupBrokenError
+from distvideo.executors import resolve_engine
+from distvideo.serving.adapters import Adapters
+from distvideo.serving.admission import Admission
+from distvideo.serving.channel import JobChannel
+from distvideo.serving.jobs import UNHEALTHY, Service
+from distvideo.serving.lifecycle import HttpServer, StopSignals, bind
+from distvideo.serving.options import ServeOptions, describe
+from distvideo.serving.runner import EngineLoop, follow
+from distvideo.serving.store import STORE_NAME, JobStore
+
+logger = logging.getLogger("distvideo.serving")
+
+HARD_EXIT_MARGIN_S = 30.0  # after the grace period: a shutdown still not done ends the process anyway
+
+
+class Frontend:
+    """What only rank 0 has: the store, the service state, the HTTP server."""
+
+    def __init__(self, engine: ResolvedEngine, options: ServeOptions, presets: dict[str, Any]):
+        output = Path(options.output).resolve()
+        output.mkdir(parents=True, exist_ok=True)
+        self._lock = _lock_output(output)  # one server per store: a second one would fail the first one's jobs
+        self.sock = bind(options.host, options.port)  # a taken port fails here, before any weight loads
+        if options.api_key is None and not _loopback(options.host):
+            logger.warning(
+                "listening on %s without an API key: anyone who reaches this port can submit jobs", options.host
+            )
+        self.store = JobStore(output / STORE_NAME)
+        recovered = self.store.recover("the server stopped before this job finished; submit it again")
+        if recovered:
+            logger.info("marked %d job(s) left queued or running by the previous server as failed", recovered)
+        self.service = Service(options.max_queue)
+        self.admission = Admission(
+            model=engine.model,
+            model_id=engine.model.path.name,
+            limits=options.limits,
+            output=output,
+            adapters=frozenset(options.lora_adapters),
+            presets=presets,
+        )
+        self.loop: EngineLoop | None = None
+        self.http: HttpServer | None = None
+
+    def start_http(self, engine: ResolvedEngine, options: ServeOptions) -> None:
+        from distvideo.serving.app import AppContext, create_app
+
+        ctx = AppContext(
+            service=self.service,
+            store=self.store,
+            admission=self.admission,
+            cancel_running=lambda job_id: self.loop is not None and self.loop.cancel(job_id),
+            executor=engine.executor,
+            world_size=engine.world_size,
+            api_key=options.api_key,
+            max_body_bytes=options.max_body_bytes,
+        )
+        self.http = HttpServer(create_app(ctx), self.sock)
+        self.http.start()
+        print(f"distvideo serve: listening on {self.http.url} (host {socket.gethostname()})", flush=True)
+
+    def close(self) -> None:
+        if self.http is not None:
+            self.http.stop()
+        else:
+            self.sock.close()
+        self.store.close()
+        os.close(self._lock)
+
+
+def _lock_output(output: Path) -> int:
+    fd = os.open(output / "jobs.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ConfigError(
+            f"--output {output}: another distvideo serve uses this folder (its job store); give each server its own"
+        ) from None
+    return fd
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def serve(config: EngineConfig, options: ServeOptions, presets: dict[str, Any] | None = None) -> int:
+    """Run the service until a stop signal (exit 0) or an engine failure (exit 1); bad flags raise ConfigError (exit
+    2) before anything starts."""
+    base_lora = list(config.lora)
+    engine = resolve_engine(dataclasses.replace(config, lora=[]))  # adapters are the service's (adapters.py)
+    rank = engine.launch.rank if engine.launch is not None else 0
+    rank0 = Frontend(engine, options, dict(presets or {})) if rank == 0 else None
+    stop = threading.Event()
+    stop_reason: list[str] = []
+    channel: JobChannel | None = None
+
+    def on_stop(name: str, count: int) -> None:
+        logger.info("%s received%s", name, "" if count == 1 else f" ({count} times)")
+        grace = options.shutdown_grace if count == 1 else 0.0  # a second signal: stop the running job now
+        stop_reason.append(name)
+        stop.set()
+        if count == 1:
+            StopSignals.hard_exit_after(options.shutdown_grace + HARD_EXIT_MARGIN_S, 1)
+        if rank0 is not None:
+            if rank0.loop is not None:
+                rank0.loop.begin_shutdown(name, grace)
+            else:
+                rank0.service.close("stopping", f"shutting down ({name})")
+        elif channel is not None:
+            channel.request_stop(name)
+
+    signals = StopSignals(on_stop).install()
+    gen = None
+    try:
+        if rank0 is not None:
+            logger.info("serve: %s", describe(options))
+            rank0.start_http(engine, options)
+        from distvideo.generator import VideoGenerator
+
+        gen = VideoGenerator.from_engine(engine)
+        adapters = Adapters(gen, base_lora, options.lora_adapters)
+        adapters.load()
+        if engine.launch is not None and engine.world_size > 1:
+            channel = JobChannel.open(gen, engine.launch)
+        if rank0 is None:
+            assert channel is not None
+            if stop.is_set():
+                channel.request_stop(stop_reason[0])
+            code = follow(gen, channel, adapters)
+            print(f"distvideo serve: rank {rank} stopped", flush=True)
+            return code
+        return _run_rank0(rank0, gen, adapters, channel, stop, stop_reason, options)
+    except ProcessGroupBrokenError as exc:
+        print(f"distvideo serve: error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        if gen is not None:
+            gen.shutdown()
+        if rank0 is not None:
+            rank0.close()
+        signals.restore()
+
+
+def _run_rank0(
+    rank0: Frontend,
+    gen: Any,
+    adapters: Adapters,
+    channel: JobChannel | None,
+    stop: threading.Event,
+    stop_reason: list[str],
+    options: ServeOptions,
+) -> int:
+    loop = rank0.loop = EngineLoop(gen, rank0.service, rank0.store, adapters, channel)
+    if channel is not None:
+        channel.watch_stop_requests(lambda reason: loop.begin_shutdown(reason, options.shutdown_grace))
+    if stop.is_set():  # a signal during loading
+        loop.begin_shutdown(stop_reason[0], options.shutdown_grace)
+    else:
+        rank0.service.set_ready()
+        print(f"distvideo serve: ready ({gen.engine.executor}, {gen.world_size} rank(s))", flush=True)
+    code = loop.run()
+    if code != 0:
+        print(f"distvideo serve: error: {rank0.service.health_detail}", file=sys.stderr, flush=True)
+    elif rank0.service.health != UNHEALTHY:
+        print("distvideo serve: stopped" + (" (rank 0)" if channel is not None else ""), flush=True)
+    return code

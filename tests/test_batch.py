@@ -1,0 +1,208 @@
+"""Batch jobs (issue 16): prompt files over data-parallel replicas, resumable, on every executor and launcher."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+import distvideo.worker
+from distvideo import VideoGenerator
+from distvideo.batch import derive_seed, read_prompt_file
+from distvideo.batch.assign import assign
+from distvideo.batch.items import BatchItem, build_items, fingerprint
+from distvideo.cli.main import main
+from distvideo.config import EngineConfig, GenerationRequest
+from distvideo.errors import ConfigError
+from distvideo.executors import resolve_engine
+from distvideo.parallel.layout import resolve_layout
+
+from launchers import format_output, local_slurm, run_launcher  # noqa: F401
+
+SMALL = ["--num-frames", "5", "--height", "32", "--width", "48", "--steps", "2", "--no-progress"]
+PROMPTS = ["a red fox", "a blue boat", "a green tree in the wind", "a yellow kite"]
+
+
+def write_prompts(folder: Path, prompts=PROMPTS, name: str = "prompts.txt") -> Path:
+    path = folder / name
+    path.write_text("\n".join(prompts) + "\n")
+    return path
+
+
+def videos(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.glob("*.mp4"))}
+
+
+def manifest(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "manifest.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    def tripwire(*args, **kwargs):
+        raise AssertionError("model weights were loaded although nothing was left to do")
+
+    monkeypatch.setattr(distvideo.worker, "load_components", tripwire)
+
+
+# --- items, seeds, assignment (pure) ----------------------------------------------------------------------------------
+def test_prompt_files_plain_and_jsonl(tmp_path):
+    assert read_prompt_file(write_prompts(tmp_path, ["one", "", "two"])) == [{"prompt": "one"}, {"prompt": "two"}]
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text('{"prompt": "a", "seed": 3}\nnot json\n[1, 2]\n{"prompt": "b", "height": 64}\n')
+    items = read_prompt_file(jsonl)
+    assert items[0] == {"prompt": "a", "seed": 3} and items[3] == {"prompt": "b", "height": 64}
+    assert "line 2: not JSON" in items[1]["_error"] and "expected a JSON object" in items[2]["_error"]
+    with pytest.raises(ConfigError, match="holds no prompt"):
+        read_prompt_file(write_prompts(tmp_path, [""], name="empty.txt"))
+    with pytest.raises(ConfigError, match="cannot read"):
+        read_prompt_file(tmp_path / "missing.txt")
+
+
+def test_seeds_depend_on_the_batch_seed_and_index_only():
+    assert derive_seed(0, 5) == derive_seed(0, 5) and derive_seed(0, 5) != derive_seed(1, 5) != derive_seed(1, 6)
+    assert 0 <= derive_seed(7, 123456) < 2**63
+
+
+def test_items_resolve_or_keep_their_error(embedded_model):
+    model = resolve_engine(EngineConfig(model=str(embedded_model))).model
+    defaults = GenerationRequest(prompt="-", num_frames=5, height=32, width=48, num_inference_steps=2)
+    raw = ["plain", {"prompt": "seeded", "seed": 9}, {"prompt": "bad", "height": 50}, {"prompt": "x", "colour": 1}]
+    items = build_items(raw, model, defaults=defaults, batch_seed=4)
+    assert items[0].request.seed == derive_seed(4, 0) and items[1].request.seed == 9
+    assert "height=50" in items[2].error and "unknown key" in items[3].error
+    changed = build_items(["plain", {"prompt": "seeded", "seed": 10}], model, defaults=defaults, batch_seed=4)
+    assert changed[0].fingerprint == items[0].fingerprint and changed[1].fingerprint != items[1].fingerprint
+    assert fingerprint(items[0].request) == items[0].fingerprint
+
+
+def test_assignment_is_deterministic_and_balanced_by_cost():
+    def item(index: int, frames: int) -> BatchItem:
+        request = GenerationRequest(prompt="x", num_frames=frames, height=64, width=64, num_inference_steps=10)
+        return BatchItem(index=index, fields={}, request=request)
+
+    items = [item(0, 81), item(1, 5), item(2, 5), item(3, 5), item(4, 81), item(5, 5)]
+    shares = assign(items, 2)
+    assert shares == assign(list(reversed(items)), 2)  # deterministic: not by input order
+    loads = [sum(i.cost for i in share) for share in shares]
+    assert abs(loads[0] - loads[1]) <= item(9, 5).cost  # the two long items on different replicas
+    assert {0, 4} & {i.index for i in shares[0]} and {0, 4} & {i.index for i in shares[1]}
+    assert all([i.index for i in share] == sorted(i.index for i in share) for share in shares)
+
+
+def test_replicas_in_the_layout():
+    layout = resolve_layout(8, replicas=2, sp_size=2, cfg_parallel=True)
+    assert layout.describe() == "world 8 = replicas 2 x cfg 2 x sp 2" and layout.output_ranks() == [0, 4]
+    assert resolve_layout(4, sp_size=1, cfg_parallel=False).replicas == 4  # derived when cfg and sp are fixed
+    with pytest.raises(ConfigError, match=r"replicas\(3\) must divide world_size\(4\)"):
+        resolve_layout(4, replicas=3)
+
+
+# --- the command, inline ----------------------------------------------------------------------------------------------
+def test_a_batch_resumes_and_redoes_only_what_changed_or_is_gone(tmp_path, monkeypatch, capsys):
+    prompts, out = write_prompts(tmp_path), tmp_path / "out"
+    argv = ["generate", "--prompts", str(prompts), "--output", str(out), "--executor", "inline", *SMALL]
+    assert main(argv) == 0
+    first = videos(out)
+    assert len(first) == 4 and [r["index"] for r in manifest(out)] == [0, 1, 2, 3]
+    assert "4 done (0 from earlier runs), 0 failed, of 4" in capsys.readouterr().out
+
+    # nothing left: no weights are loaded, nothing is written
+    with monkeypatch.context() as m:
+        m.setattr(distvideo.worker, "load_components", lambda *a, **k: pytest.fail("loaded weights"))
+        assert main(argv) == 0
+    assert len(manifest(out)) == 4 and videos(out) == first
+    assert "4 done (4 from earlier runs)" in capsys.readouterr().out
+
+    # a changed prompt, a deleted video and a damaged one are redone; the others are not
+    write_prompts(tmp_path, [PROMPTS[0], "a blue boat at dawn", *PROMPTS[2:]])
+    names = sorted(first)
+    (out / names[2]).unlink()
+    (out / names[3]).write_bytes((out / names[3]).read_bytes()[:100])
+    assert main(argv) == 0
+    redone = [r["index"] for r in manifest(out)[4:]]
+    assert sorted(redone) == [1, 2, 3]
+    after = videos(out)
+    assert after[names[0]] == first[names[0]] and after[names[2]] == first[names[2]] == after[names[2]]
+    assert after[names[3]] == first[names[3]]  # the same item gives the same video
+
+
+def test_failed_items_are_recorded_and_the_batch_goes_on(tmp_path, capsys):
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text('{"prompt": "fine"}\n{"prompt": "too odd", "height": 50}\n{"prompt": "also fine"}\n')
+    out = tmp_path / "out"
+    argv = ["generate", "--prompts", str(jsonl), "--output", str(out), "--executor", "inline", *SMALL]
+    assert main(argv) == 1
+    records = {r["index"]: r for r in manifest(out)}
+    assert records[1]["status"] == "failed" and "height=50" in records[1]["error"]
+    assert records[0]["status"] == records[2]["status"] == "done"
+    assert "2 done (0 from earlier runs), 1 failed, of 3" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [(["--prompt", "x"], "--prompt and --prompts"), (["--output", "v.mp4"], "is a folder")],
+    ids=["with-prompt", "mp4-output"],
+)
+def test_bad_batch_arguments_exit_2(tmp_path, extra, named, no_loading, capsys):
+    prompts = write_prompts(tmp_path)
+    argv = ["generate", "--prompts", str(prompts), "--output", str(tmp_path / "out"), *SMALL]
+    assert main([*argv, *extra]) == 2
+    assert named in capsys.readouterr().err
+
+
+def test_generate_batch_returns_results_in_input_order(tmp_path):
+    with VideoGenerator.from_pretrained(executor="inline") as gen:
+        items = ["one", {"prompt": "two", "seed": 5}, {"prompt": "bad", "width": 50}]
+        results = gen.generate_batch(
+            items, output_dir=tmp_path, num_frames=5, height=32, width=48, num_inference_steps=2, return_frames=True
+        )
+    assert [r.index for r in results] == [0, 1, 2]
+    assert [r.status for r in results] == ["done", "done", "failed"]
+    assert results[1].seed == 5 and Path(results[1].video_path).is_file() and results[1].frames.shape == (5, 32, 48, 3)
+    assert "width=50" in results[2].error
+
+
+# --- every executor and launcher gives the same files ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def inline_videos(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("inline")
+    prompts = write_prompts(folder)
+    assert (
+        main(["generate", "--prompts", str(prompts), "--output", str(folder / "out"), "--executor", "inline", *SMALL])
+        == 0
+    )
+    return videos(folder / "out")
+
+
+@pytest.mark.slow
+def test_mp_replicas_write_the_same_files(tmp_path, inline_videos):
+    prompts, out = write_prompts(tmp_path), tmp_path / "out"
+    argv = ["generate", "--prompts", str(prompts), "--output", str(out), "--num-gpus", "2", "--replicas", "2", *SMALL]
+    assert main(argv) == 0
+    assert videos(out) == inline_videos
+    assert {r["replica"] for r in manifest(out)} == {0, 1}
+
+
+LAUNCH_PARAMS = [
+    pytest.param("torchrun", id="torchrun"),
+    pytest.param("srun", id="srun", marks=pytest.mark.slurm),
+    pytest.param("mpirun", id="mpirun", marks=pytest.mark.mpi),
+]
+
+
+@pytest.mark.launcher
+@pytest.mark.parametrize("launcher", LAUNCH_PARAMS)
+def test_launched_replicas_write_the_same_files_and_one_manifest(launcher, tmp_path, inline_videos):
+    """Each replica's output rank writes its videos; world rank 0 writes every manifest line (the other replica's
+    arrive through the rendezvous store)."""
+    prompts, out = write_prompts(tmp_path), tmp_path / "out"
+    argv = ["-m", "distvideo", "generate", "--prompts", str(prompts), "--output", str(out), "--replicas", "2", *SMALL]
+    proc = run_launcher(launcher, argv, nproc=2, timeout=300)
+    assert proc.returncode == 0, format_output(proc)
+    assert videos(out) == inline_videos
+    records = manifest(out)
+    assert sorted(r["index"] for r in records) == [0, 1, 2, 3] and {r["replica"] for r in records} == {0, 1}
+    assert proc.stdout.count("batch: 4 done") == 1, "only world rank 0 prints the summary"
