@@ -90,6 +90,7 @@ def test_the_page_submits_a_prompt_shows_progress_and_plays_the_video(tmp_path, 
         browser.find_element(By.ID, "num_frames").send_keys("9")
         browser.find_element(By.ID, "num_inference_steps").send_keys("4")
         browser.find_element(By.ID, "submit").click()
+
         def new_row_id() -> str | None:  # the list refreshes on its own clock: wait for the submitted job's row
             ids = [r.get_attribute("data-id") for r in browser.find_elements(By.CSS_SELECTOR, "#jobs tr[data-id]")]
             return next((i for i in ids if i != long["id"]), None)
