@@ -41,7 +41,7 @@ def model_info(embedded_model: Path):
 
 def named_field(exc: Exception) -> str:
     """The parameter a message starts with ("height=33 must be ...", "prompt: must be ..." -> height, prompt)."""
-    match = re.match(r"[a-z_]+", str(exc))
+    match = re.match(r"[a-z_][a-z0-9_]*", str(exc))  # guidance_scale_2
     assert match is not None, f"the message does not start with the parameter's name: {exc}"
     return match.group(0)
 

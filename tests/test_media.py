@@ -21,7 +21,8 @@ def frames(t=5, h=32, w=48):
 
 def test_sanitize_prompt():
     assert sanitize_prompt("A Cat, on a Boat!") == "a_cat_on_a_boat"
-    assert sanitize_prompt("日本語") == "video"
+    assert sanitize_prompt("!?,") == "video"  # no word left: a generic stem
+    assert sanitize_prompt("日本語").startswith("ribenyu_")  # transliterated, with a hash (tests/test_hardening.py)
     assert len(sanitize_prompt("word " * 100)) <= 60
 
 
