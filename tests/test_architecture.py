@@ -34,6 +34,7 @@ ROWS = {
     "config": 1,
     "media": 1,
     "errors": 1,
+    "outputs": 1,
     "devices": 1,
     "logging_utils": 1,
 }

@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 import textwrap
 import threading
@@ -193,6 +194,27 @@ def test_frames_match_inline_and_only_the_output_rank_ships_them(gen: VideoGener
     assert [o.rank for o in outputs] == [0, 1]
     assert outputs[0].frames is not None and outputs[1].frames is None
     assert np.array_equal(outputs[0].frames, expected)
+
+
+def test_the_driver_never_imports_the_model_stack(model_path: str, tmp_path: Path):
+    """The driver only holds pipes and the output: unpickling its workers' answers must not import diffusers (the
+    first answer used to import it, with torch's compiler stack: 2.5 s inside the first timed call)."""
+    script = tmp_path / "driver.py"
+    script.write_text(
+        textwrap.dedent(f"""
+        import sys
+        from distvideo import VideoGenerator
+        if __name__ == "__main__":
+            with VideoGenerator.from_pretrained({model_path!r}, num_gpus=2, executor="mp", replicas=2) as gen:
+                gen.generate("a fox", num_frames=5, height=32, width=32, num_inference_steps=1, save_video=False)
+                gen.generate_batch(["a", "b"], output_dir={str(tmp_path / "out")!r}, num_frames=5, height=32,
+                                   width=32, num_inference_steps=1, progress=False)
+            print(sorted(m for m in sys.modules if m.split(".")[0] in ("diffusers", "transformers")))
+        """)
+    )
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout
 
 
 # --- failures that end the executor -------------------------------------------------------------

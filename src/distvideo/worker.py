@@ -9,11 +9,10 @@ from __future__ import annotations
 import gc
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from distvideo.config import GenerationRequest
@@ -32,6 +31,7 @@ from distvideo.models import compat
 from distvideo.models.loading import load_components
 from distvideo.models.memory import USABLE_FRACTION, estimate_request, fitting_size
 from distvideo.models.plans import apply_plans, speed_plans
+from distvideo.outputs import ItemOutcome, WorkerOutput
 from distvideo.parallel.collectives import collective
 from distvideo.parallel.vae import decode_band_count
 from distvideo.pipelines.control import StepControl
@@ -68,25 +68,6 @@ class RankInfo:
     def launched(cls, env: LaunchEnv) -> RankInfo:
         """A rank a launcher started (torchrun, srun, mpirun): the env:// rendezvous of its variables."""
         return cls(env.rank, env.local_rank, env.world_size, env.local_world_size, "env://")
-
-
-@dataclass
-class WorkerOutput:
-    rank: int
-    frames: np.ndarray | None
-    timings: dict[str, float] = field(default_factory=dict)
-    peak_memory_mb: float = 0.0
-
-
-@dataclass
-class ItemOutcome:
-    """One batch item, as its replica's output rank reports it: the output (frames included) or why it failed."""
-
-    index: int
-    replica: int
-    output: WorkerOutput | None = None
-    error_type: str = ""
-    error: str = ""
 
 
 #: errors every rank of a replica raises together for one item (decided collectively): the item fails, the batch goes

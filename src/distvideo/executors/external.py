@@ -34,8 +34,9 @@ from distvideo.executors.base import Executor, RankStatus, RequestIds, collectiv
 from distvideo.executors.heartbeat import Heartbeat, Pulse, diagnose, first_line, ranks_text
 from distvideo.launch import torch_env_for
 from distvideo.logging_utils import set_log_rank
+from distvideo.outputs import WorkerOutput
 from distvideo.parallel.collectives import collective
-from distvideo.worker import RankInfo, Worker, WorkerOutput
+from distvideo.worker import RankInfo, Worker
 
 logger = logging.getLogger(__name__)
 

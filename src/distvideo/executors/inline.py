@@ -8,7 +8,8 @@ from typing import Any
 from distvideo.config import GenerationRequest
 from distvideo.engine import ResolvedEngine
 from distvideo.executors.base import Executor, RequestIds, collective_error, run_guarded
-from distvideo.worker import RankInfo, Worker, WorkerOutput
+from distvideo.outputs import WorkerOutput
+from distvideo.worker import RankInfo, Worker
 
 
 class InlineExecutor(Executor):

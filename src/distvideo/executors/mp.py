@@ -56,7 +56,7 @@ from distvideo.executors.mp_wire import (
 )
 
 if TYPE_CHECKING:
-    from distvideo.worker import WorkerOutput
+    from distvideo.outputs import WorkerOutput
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ import numpy as np
 from distvideo.executors.base import RankStatus
 
 if TYPE_CHECKING:
-    from distvideo.worker import WorkerOutput
+    from distvideo.outputs import WorkerOutput
 
 # Wire format. Driver -> worker: a header (call id, op) followed by the payload. Worker -> driver: a
 # pickled (call id, RankStatus). Call id 0 is the start-up report.
@@ -59,7 +59,7 @@ class ProgressNote:
 class ItemNote:
     """Sent by a replica's output rank after every batch item: the item's outcome, its frames in shared memory."""
 
-    outcome: Any  # distvideo.worker.ItemOutcome, without frames
+    outcome: Any  # distvideo.outputs.ItemOutcome, without frames
     frames: SharedFrames | None
 
 
