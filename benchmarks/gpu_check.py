@@ -29,18 +29,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before any Hugging Face import: 
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
-import argparse  # noqa: E402
-import datetime  # noqa: E402
-import json  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-import traceback  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 PHASES = ("build", "parity_diffusers", "parity_executors", "bench", "compile")
 WATCHDOG_GRACE_S = 15.0
@@ -136,7 +136,7 @@ FIGURES = [
     ("denoising per step (s)", lambda r: r["stages"]["denoising_per_step"], "denoising_per_step"),
     ("decoding (s)", lambda r: r["stages"]["decoding"], "decoding"),
     ("peak memory (MiB)", lambda r: r["peak_memory_mb"], "peak_memory_mb"),
-    ("MFU", lambda r: 100 * r["mfu"], None),
+    ("MFU (%)", lambda r: 100 * r["mfu"], None),
 ]
 
 
@@ -189,7 +189,11 @@ def markdown(result: dict[str, Any]) -> str:
             lines.append(
                 f"| {label} | {get(ours):.3f} | {get(theirs):.3f} | {f'{ratios[ratio]:.3f}' if ratio else ''} |"
             )
-        lines.append(f"\nmatmul peak {report['matmul_peak_flops'] / 1e12:.1f} TFLOP/s; notes: {report['notes']}")
+        lines.append(
+            f"\nframes max abs diff {report['check']['frames_max_abs_diff']} (uint8); matmul peak "
+            f"{report['matmul_peak_flops'] / 1e12:.1f} TFLOP/s ({report['env']['matmul']['dtype']}); notes: "
+            + ("; ".join(report["notes"]) or "none")
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -35,6 +35,7 @@ class Sizes:
     shapes: list[dict[str, int]]  # num_frames, height, width, warmup, runs of each timed shape
     budgets: dict[str, float]  # seconds per phase
     matmul_size: int | None = None
+    dtype: str | None = None  # None: the device's default dtypes (bfloat16 on CUDA, float32 on CPU)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -82,6 +83,9 @@ SMOKE = Sizes(
 )
 
 
+TRANSFORMER_KEYS = ("num_layers", "num_attention_heads", "attention_head_dim", "ffn_dim", "in_channels", "text_dim")
+
+
 class Guard:
     """Seconds left to a phase: its own budget, capped by the whole run's deadline."""
 
@@ -122,17 +126,7 @@ def build(sizes: Sizes, folder: Path, guard: Guard) -> dict[str, Any]:
             "path": str(path),
             "reused": reused,
             "build_s": round(time.monotonic() - began, 2),
-            "transformer": {
-                k: transformer[k]
-                for k in (
-                    "num_layers",
-                    "num_attention_heads",
-                    "attention_head_dim",
-                    "ffn_dim",
-                    "in_channels",
-                    "text_dim",
-                )
-            },  # fmt: skip
+            "transformer": {k: transformer[k] for k in TRANSFORMER_KEYS},
             "vae": {"base_dim": vae["base_dim"], "z_dim": vae["z_dim"]},
             "text_encoder": {k: text[k] for k in ("d_model", "num_layers", "num_heads", "d_ff")},
             "gigabytes": round(sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) / 1e9, 3),
@@ -154,6 +148,7 @@ def bench_plan(model: str, sizes: Sizes, shape: dict[str, int], steps: int, runs
     argv += ["--steps", str(steps), "--guidance-scale", "5", "--runs", str(runs), "--warmup", str(warmup)]
     argv += ["--compare", "diffusers", "--executor", "inline", "--log-level", "WARNING"]
     argv += ["--device", sizes.device] if sizes.device else []
+    argv += ["--dtype", sizes.dtype] if sizes.dtype else []
     argv += ["--matmul-size", str(sizes.matmul_size)] if sizes.matmul_size else []
     return plan_from_args(parser.parse_args(argv))
 
