@@ -29,7 +29,6 @@ class Sizes:
     small: dict[str, Any]  # build_test_checkpoint overrides
     large: dict[str, Any]  # build_wan21_1_3b_checkpoint overrides ({}: the real shape)
     parity: dict[str, int]  # num_frames, height, width, steps of the parity requests
-    tolerance: dict[str, float]  # max_abs_diff, mean_abs_diff on uint8 frames against diffusers
     mp_ranks: list[int]  # mp world sizes compared with inline (1: byte-identical; more: within 2, a layout change)
     steps: int
     shapes: list[dict[str, int]]  # num_frames, height, width, warmup, runs of each timed shape
@@ -39,14 +38,18 @@ class Sizes:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-# bfloat16 against diffusers: both sides run the same diffusers modules, but distvideo's exact plans change the
-# order of some bfloat16 roundings (cross-attention over the text padding: the padding keys folded into one with a
-# log r bias, softmax in float32). One bfloat16 rounding is 2^-9 relative, about 0.5 of a uint8 level at full scale,
-# and a difference met early is carried through every later step and layer, so single pixels move by several levels
-# while the mean stays well below one. A real bug (wrong timesteps, CFG, scheduler, latent scaling) moves the mean by
-# tens of levels. Hence: max <= 24 and mean <= 1.5 in bfloat16; in float32 the project's rule, max <= 2.
-BF16_TOLERANCE = {"max_abs_diff": 24, "mean_abs_diff": 1.5}
-F32_TOLERANCE = {"max_abs_diff": 2, "mean_abs_diff": 0.5}
+# Against diffusers' WanPipeline (same checkpoint, request, device, dtypes, seed), two checks:
+# - float32: frames within 2 on uint8, the project's rule (distvideo's exact plans only reorder float32 sums);
+# - bfloat16: no fixed bound carries over from float32: one bfloat16 rounding is 2^-9 relative (half a uint8 level at
+#   full scale), a difference met early is carried through every later layer and step, and the GPU's attention and
+#   matmul kernels accumulate differently from the CPU's. So the bound is measured in the same run: diffusers in
+#   bfloat16 is itself some distance from diffusers in float32 (its own rounding error); distvideo in bfloat16 must be
+#   no further from that float32 reference than 1.5 times diffusers' distance (+ 0.05; mean over pixels), and its max
+#   within twice diffusers' max + 4. Calibration on CPU (the 256-wide checkpoint, 17 x 128 x 128, 8 UniPC steps,
+#   guidance 5): diffusers bf16 vs f32 mean 0.752 / max 6, distvideo bf16 vs diffusers f32 mean 0.745 / max 7 (ratio
+#   0.99), float32 max 1. Simulated bugs in distvideo bf16 against f32: guidance 4.5 instead of 5 mean 1.40 / max 17,
+#   no CFG mean 9.9 / max 104, 7 steps instead of 8 mean 9.0 / max 85: each over the bounds (1.18 / 16).
+BF16_MEAN_FACTOR, BF16_MEAN_SLACK, BF16_MAX_FACTOR, BF16_MAX_SLACK, F32_MAX = 1.5, 0.05, 2.0, 4, 2
 LAYOUT_TOLERANCE = 2  # docs: another parallel layout reproduces single-rank frames within 2 on uint8
 
 GPU = Sizes(
@@ -55,7 +58,6 @@ GPU = Sizes(
     small={},  # the 256-wide benchmark checkpoint
     large={},
     parity={"num_frames": 17, "height": 128, "width": 128, "steps": 8},
-    tolerance=BF16_TOLERANCE,
     mp_ranks=[1],  # one GPU: mp with one rank (NCCL group of one beside the gloo control group)
     steps=20,
     shapes=[
@@ -71,7 +73,6 @@ SMOKE = Sizes(
     small={"num_layers": 2},
     large={**TINY_1_3B, "dtype": torch.float32, "text_num_heads": 2, "text_d_kv": 8, "text_d_ff": 64},
     parity={"num_frames": 5, "height": 32, "width": 32, "steps": 3},
-    tolerance=F32_TOLERANCE,
     mp_ranks=[1, 2],  # two ranks on gloo: cfg=2
     steps=2,
     shapes=[
@@ -137,8 +138,17 @@ def build(sizes: Sizes, folder: Path, guard: Guard) -> dict[str, Any]:
 # -- parity ---------------------------------------------------------------------------------------
 
 
-def bench_plan(model: str, sizes: Sizes, shape: dict[str, int], steps: int, runs: int = 1, warmup: int = 0) -> Any:
-    """A `distvideo bench` plan (the FLOP count, the resolved engine and request) for one shape of `model`."""
+def bench_plan(
+    model: str,
+    sizes: Sizes,
+    shape: dict[str, int],
+    steps: int,
+    runs: int = 1,
+    warmup: int = 0,
+    dtype: str | None = None,
+) -> Any:
+    """A `distvideo bench` plan (the FLOP count, the resolved engine and request) for one shape of `model`;
+    `dtype` (default `sizes.dtype`, else the device's default dtypes) of the transformer and text encoder."""
     from distvideo.bench import add_bench_parser, plan_from_args
 
     parser = argparse.ArgumentParser()
@@ -148,7 +158,8 @@ def bench_plan(model: str, sizes: Sizes, shape: dict[str, int], steps: int, runs
     argv += ["--steps", str(steps), "--guidance-scale", "5", "--runs", str(runs), "--warmup", str(warmup)]
     argv += ["--compare", "diffusers", "--executor", "inline", "--log-level", "WARNING"]
     argv += ["--device", sizes.device] if sizes.device else []
-    argv += ["--dtype", sizes.dtype] if sizes.dtype else []
+    dtype = dtype or sizes.dtype
+    argv += ["--dtype", dtype] if dtype else []
     argv += ["--matmul-size", str(sizes.matmul_size)] if sizes.matmul_size else []
     return plan_from_args(parser.parse_args(argv))
 
@@ -167,38 +178,66 @@ def perturb(frames: Any) -> Any:
     return broken
 
 
-def parity_diffusers(sizes: Sizes, small: str, guard: Guard, broken: bool) -> dict[str, Any]:
-    """distvideo (inline, the device's default dtypes: bfloat16 on CUDA) against diffusers' WanPipeline in its
-    own process, same checkpoint, request, device and dtypes; frames within `sizes.tolerance`."""
+def _diffusers_frames(plan: Any, env: dict[str, Any], dtypes: dict[str, dict[str, str]]) -> dict[str, Any]:
+    """diffusers' WanPipeline frames for `plan.request` with each of `dtypes` (name -> component dtypes), one
+    process each, started together (their imports overlap)."""
+    from distvideo.bench.baseline import DiffusersBaseline, DiffusersSpec
+
+    processes = {name: DiffusersBaseline() for name in dtypes}
+    try:
+        frames = {}
+        for name, process in processes.items():
+            process.load(DiffusersSpec(str(plan.engine.config.model), env["device"], dtypes[name], env["threads"]))
+            frames[name] = process.run(plan.request, return_frames=True)["frames"]
+        return frames
+    finally:
+        for process in processes.values():
+            process.close()
+
+
+def _distvideo_frames(small: str, sizes: Sizes, dtype: str) -> tuple[Any, dict[str, Any]]:
     from distvideo.bench.measure import distvideo_run, rank_environment
-    from distvideo.bench.run import load_baseline
     from distvideo.generator import VideoGenerator
 
-    plan = bench_plan(small, sizes, sizes.parity, sizes.parity["steps"])
-    notes: list[str] = []
+    plan = bench_plan(small, sizes, sizes.parity, sizes.parity["steps"], dtype=dtype)
     with VideoGenerator.from_engine(plan.engine) as gen:
-        envs = gen.collective_rpc(rank_environment)
-        baseline = load_baseline(gen, plan, plan.request, envs, notes)
-        assert baseline is not None
-        try:
-            ours, frames = distvideo_run(gen, plan.request)
-            reference = baseline.run(plan.request, return_frames=True)
-        finally:
-            baseline.close()
-    frames = perturb(frames) if broken else frames
-    diff = frame_diff(frames, reference["frames"])
-    tol = sizes.tolerance
-    ok = diff["max_abs_diff"] is not None and diff["max_abs_diff"] <= tol["max_abs_diff"]
-    ok = ok and diff["mean_abs_diff"] <= tol["mean_abs_diff"]
+        env = gen.collective_rpc(rank_environment)[0]
+        _, frames = distvideo_run(gen, plan.request)
+    return plan, {"frames": frames, "env": env}
+
+
+def parity_diffusers(sizes: Sizes, small: str, guard: Guard, broken: bool) -> dict[str, Any]:
+    """distvideo (inline) against diffusers' WanPipeline in its own process, in float32 and in bfloat16, same
+    checkpoint, request and device; the bounds are explained above BF16_MEAN_FACTOR."""
+    plan, f32 = _distvideo_frames(small, sizes, "float32")
+    _, bf16 = _distvideo_frames(small, sizes, "bfloat16")
+    ref = _diffusers_frames(plan, f32["env"], {"float32": f32["env"]["dtypes"], "bfloat16": bf16["env"]["dtypes"]})
+    ours_f32 = perturb(f32["frames"]) if broken else f32["frames"]
+    ours_bf16 = perturb(bf16["frames"]) if broken else bf16["frames"]
+    f32_diff = frame_diff(ours_f32, ref["float32"])
+    floor = frame_diff(ref["bfloat16"], ref["float32"])  # diffusers' own bfloat16 error
+    ours = frame_diff(ours_bf16, ref["float32"])  # distvideo's bfloat16 error
+    bounds = {
+        "float32_max_abs_diff": F32_MAX,
+        "bfloat16_mean_vs_float32": BF16_MEAN_FACTOR * (floor["mean_abs_diff"] or 0.0) + BF16_MEAN_SLACK,
+        "bfloat16_max_vs_float32": BF16_MAX_FACTOR * (floor["max_abs_diff"] or 0) + BF16_MAX_SLACK,
+    }
+    checks = {
+        "float32": f32_diff["max_abs_diff"] is not None and f32_diff["max_abs_diff"] <= F32_MAX,
+        "bfloat16_mean": ours["mean_abs_diff"] is not None
+        and ours["mean_abs_diff"] <= bounds["bfloat16_mean_vs_float32"],
+        "bfloat16_max": ours["max_abs_diff"] is not None and ours["max_abs_diff"] <= bounds["bfloat16_max_vs_float32"],
+    }
     return {
-        "status": "ok" if ok else "failed",
-        "dtypes": envs[0]["dtypes"],
-        "device": envs[0]["device"],
+        "status": "ok" if all(checks.values()) else "failed",
+        "checks": checks,
+        "bounds": bounds,
+        "device": f32["env"]["device"],
         "request": {**sizes.parity, "guidance_scale": 5.0, "seed": 0},
-        **diff,
-        "tolerance": tol,
-        "seconds": {"distvideo": ours["e2e_s"], "diffusers": reference["e2e_s"]},
-        "notes": notes,
+        "float32_vs_diffusers_float32": f32_diff,
+        "bfloat16_vs_diffusers_bfloat16": frame_diff(ours_bf16, ref["bfloat16"]),
+        "bfloat16_vs_diffusers_float32": ours,
+        "diffusers_bfloat16_vs_diffusers_float32": floor,
     }
 
 

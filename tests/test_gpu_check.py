@@ -60,9 +60,13 @@ def test_smoke_run_writes_every_phase(tmp_path):
     assert large["transformer"]["num_layers"] == 2 and not large["reused"]
 
     parity = phases["parity_diffusers"]
-    assert parity["status"] == "ok" and parity["dtypes"]["transformer"] == "float32"
-    assert parity["max_abs_diff"] <= parity["tolerance"]["max_abs_diff"] == 2
-    assert parity["shape"] == [5, 32, 32, 3]
+    assert parity["status"] == "ok" and parity["checks"] == dict.fromkeys(
+        ("float32", "bfloat16_mean", "bfloat16_max"), True
+    )
+    f32, bf16 = parity["float32_vs_diffusers_float32"], parity["bfloat16_vs_diffusers_float32"]
+    assert f32["max_abs_diff"] <= parity["bounds"]["float32_max_abs_diff"] == 2 and f32["shape"] == [5, 32, 32, 3]
+    assert bf16["mean_abs_diff"] <= parity["bounds"]["bfloat16_mean_vs_float32"]
+    assert parity["diffusers_bfloat16_vs_diffusers_float32"]["max_abs_diff"] > 0  # bfloat16 really ran
 
     executors = phases["parity_executors"]
     assert executors["status"] == "ok"
@@ -88,7 +92,8 @@ def test_broken_parity_exits_nonzero(tmp_path):
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert report["ok"] is False
     parity = report["phases"]["parity_diffusers"]
-    assert parity["status"] == "failed" and parity["max_abs_diff"] >= 120
+    assert parity["status"] == "failed" and parity["checks"]["float32"] is False
+    assert parity["float32_vs_diffusers_float32"]["max_abs_diff"] >= 120
     executors = report["phases"]["parity_executors"]
     assert executors["status"] == "failed" and executors["mp"]["1"]["status"] == "failed"
     assert executors["mp"]["2"]["status"] == "failed"
