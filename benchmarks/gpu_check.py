@@ -267,7 +267,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", required=True, help="folder for gpu_check.json and gpu_check.md (created)")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny sizes, float32 (the test suite runs this)")
     parser.add_argument("--folder", help="where the checkpoints are built (default: a temp folder per mode)")
-    parser.add_argument("--budget", type=float, help="seconds for the whole run (default 450 on GPU, 100 smoke)")
+    parser.add_argument("--budget", type=float, help="seconds for the whole run (default 450 on GPU, 400 smoke)")
     parser.add_argument("--phases", help=f"comma-separated subset of {','.join(PHASES)} (build is always run)")
     parser.add_argument("--break-parity", action="store_true", help=argparse.SUPPRESS)  # tests: perturb one output
     args = parser.parse_args(argv)
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     folder = Path(args.folder or Path(tempfile.gettempdir()) / f"distvideo-gpu-check-{sizes.mode}")
-    run = Run(out, sizes.mode, args.budget or (100.0 if args.smoke else 450.0))
+    run = Run(out, sizes.mode, args.budget or (400.0 if args.smoke else 450.0))
     run.log(f"gpu check ({sizes.mode}) on {run.result['environment']['gpu'] or 'CPU'}; writing {out}")
     start_watchdog(run, WATCHDOG_GRACE_S)
     budgets = sizes.budgets
