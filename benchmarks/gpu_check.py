@@ -65,6 +65,7 @@ class Run:
             "environment": _environment(),
             "phases": {},
             "ok": None,
+            "complete": False,
             "elapsed_s": 0.0,
         }
 
@@ -83,6 +84,8 @@ class Run:
         phases = self.result["phases"]
         self.result["elapsed_s"] = round(self.elapsed(), 1)
         self.result["ok"] = all(p.get("status") in ("ok", "skipped") for p in phases.values()) if final else None
+        # every phase ran in full (compile is skipped by design while the engine has no such option)
+        self.result["complete"] = all(p.get("status") == "ok" or n == "compile" for n, p in phases.items())
         _atomic(self.out / "gpu_check.json", json.dumps(self.result, indent=2, default=str) + "\n")
         _atomic(self.out / "gpu_check.md", markdown(self.result))
 
@@ -180,7 +183,7 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         f"`{result['command']}`, commit {result['commit']}, {result['date']}; {env.get('gpu') or 'CPU only'}, torch "
         f"{env['torch']}, diffusers {env['diffusers']}; {result['elapsed_s']} s of a {result['budget_s']} s budget; "
-        f"ok: {result['ok']}",
+        f"ok: {result['ok']}, complete: {result['complete']}",
         "",
         "| phase | status | seconds | detail |",
         "| --- | --- | ---: | --- |",
@@ -251,6 +254,8 @@ def start_watchdog(run: Run, grace: float) -> threading.Timer:
     def fire() -> None:
         with run.lock:
             run.result["watchdog"] = f"fired in phase {run.current} after {run.elapsed():.0f} s"
+            if run.current is not None and run.current not in run.result["phases"]:
+                run.result["phases"][run.current] = {"status": "timed_out", "reason": run.result["watchdog"]}
         run.log(f"watchdog: {run.result['watchdog']}; writing partial results")
         with run.lock:
             run.write(final=True)
