@@ -9,7 +9,7 @@ import dataclasses
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,6 @@ class Sizes:
     budgets: dict[str, float]  # seconds per phase
     matmul_size: int | None = None
     dtype: str | None = None  # None: the device's default dtypes (bfloat16 on CUDA, float32 on CPU)
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 # Against diffusers' WanPipeline (same checkpoint, request, device, dtypes, seed), two checks:
