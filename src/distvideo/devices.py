@@ -27,21 +27,40 @@ def default_num_threads(local_world_size: int | None) -> int | None:
     return max(1, cores // max(1, local_world_size or 1))
 
 
+def cuda_device_index(local_rank: int, visible: int, cuda_visible_devices: str | None = None) -> int:
+    """The CUDA device index of the rank with `local_rank` on a node where this process sees `visible` GPUs.
+
+    Pure. Every process sees all of the node's GPUs (torchrun, mpirun, srun without --gpus-per-task): local rank r
+    takes cuda:r. Each process sees one GPU (srun --gpus-per-task=1, or CUDA_VISIBLE_DEVICES set per rank): cuda:0,
+    whatever the local rank. Otherwise there are more ranks on the node than GPUs: a RuntimeError that names
+    `cuda_visible_devices` (the variable's value, for the message) and what would work."""
+    if visible < 1:
+        raise RuntimeError(
+            f"local rank {local_rank} has no GPU: none visible (CUDA_VISIBLE_DEVICES={cuda_visible_devices!r}); "
+            "pass device='cpu' or make a GPU visible"
+        )
+    if local_rank < visible:
+        return local_rank
+    if visible == 1:
+        return 0
+    raise RuntimeError(
+        f"local rank {local_rank} has no GPU: {visible} visible (CUDA_VISIBLE_DEVICES={cuda_visible_devices!r}). "
+        f"Launch at most {visible} ranks per node, or bind one GPU per task (srun --gpus-per-task=1, or set "
+        "CUDA_VISIBLE_DEVICES per rank)."
+    )
+
+
 def select_device(requested: str | None, local_rank: int) -> torch.device:
+    """`requested` when given; else the GPU of this local rank (:func:`cuda_device_index`) when CUDA is available;
+    else the CPU."""
     if requested:
         return torch.device(requested)
     if torch.cuda.is_available():
         count = torch.cuda.device_count()
-        if local_rank < count:
-            return torch.device("cuda", local_rank)
-        if count == 1:
+        index = cuda_device_index(local_rank, count, envs.get_raw("CUDA_VISIBLE_DEVICES"))
+        if index != local_rank:
             logger.info("local rank %d sees one GPU (per-task binding); using cuda:0", local_rank)
-            return torch.device("cuda", 0)
-        raise RuntimeError(
-            f"local rank {local_rank} has no GPU: {count} visible (CUDA_VISIBLE_DEVICES="
-            f"{envs.get_raw('CUDA_VISIBLE_DEVICES')!r}). Launch at most {count} ranks per node, or bind one GPU "
-            "per task (srun --gpus-per-task=1, or set CUDA_VISIBLE_DEVICES per rank)."
-        )
+        return torch.device("cuda", index)
     return torch.device("cpu")
 
 

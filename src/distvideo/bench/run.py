@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -78,6 +79,29 @@ def run_bench(
 
     rank_envs = gen.collective_rpc(rank_environment)
     notes: list[str] = []
+    baseline = load_baseline(gen, plan, request, rank_envs, notes, started)
+    try:
+        total = plan.warmup + plan.runs
+        with tqdm(total=total, desc="bench", unit="run", file=sys.stderr, disable=not show_progress) as bar:
+            runs, frames_diff = measure_interleaved(gen, plan, request, baseline, notes, on_run=bar.update)
+    finally:
+        if baseline is not None:
+            baseline.close()
+    if not gen.is_output_rank:
+        return None
+    return build_report(gen, plan, request, runs, rank_envs, frames_diff, notes)
+
+
+def load_baseline(
+    gen: Any,
+    plan: BenchPlan,
+    request: GenerationRequest,
+    rank_envs: list[dict[str, Any]],
+    notes: list[str],
+    started: DiffusersBaseline | None = None,
+) -> DiffusersBaseline | None:
+    """diffusers' pipeline loaded on the first rank's device, dtypes and threads when the plan compares with it
+    and one rank runs (else a note says why not, and `started` is closed); None without a comparison."""
     baseline: DiffusersBaseline | None = None
     if plan.compare == "diffusers":
         if gen.world_size > 1:
@@ -96,49 +120,63 @@ def run_bench(
             )
     if started is not None and baseline is not started:
         started.close()
-    try:
-        runs: list[dict[str, Any]] = []
-        frames_diff: int | None = None
-        forwards_noted = False
-        total = plan.warmup + plan.runs
-        with tqdm(total=total, desc="bench", unit="run", file=sys.stderr, disable=not show_progress) as bar:
-            for i in range(total):
-                measured = i >= plan.warmup
-                peak_per_rank = gen.collective_rpc(rank_matmul_flops, args=(plan.matmul_size,)) if measured else []
-                ours, frames = distvideo_run(gen, request)
-                reference = None
-                if baseline is not None:
-                    reference = baseline.run(request, return_frames=frames_diff is None)
-                    theirs = reference.pop("frames", None)
-                    if reference["transformer_forwards"] != plan.transformer_forwards and not forwards_noted:
-                        forwards_noted = True
-                        notes.append(
-                            f"diffusers ran {reference['transformer_forwards']} transformer forwards per request, "
-                            f"the FLOP count assumes {plan.transformer_forwards}: its MFU is off by that factor"
-                        )
-                    if theirs is not None and frames is not None:
-                        frames_diff = max_abs_diff(frames, theirs)
-                bar.update()
-                logger.debug(
-                    "%s %d: distvideo %.2f s%s",
-                    "run" if measured else "warm-up",
-                    i - plan.warmup if measured else i,
-                    ours["e2e_s"],
-                    f", diffusers {reference['e2e_s']:.2f} s" if reference is not None else "",
-                )
-                if not measured:
-                    continue
-                peak = sum(peak_per_rank)
-                add_efficiency(ours, plan.model_flops, peak)
-                record: dict[str, Any] = {"index": len(runs), "matmul_flops_per_rank": peak_per_rank, "distvideo": ours}
-                if reference is not None:
-                    add_efficiency(reference, plan.model_flops, peak_per_rank[0])
-                    record["diffusers"] = reference
-                    record["ratios"] = run_ratios(ours, reference)
-                runs.append(record)
-    finally:
+    return baseline
+
+
+def measure_interleaved(
+    gen: Any,
+    plan: BenchPlan,
+    request: GenerationRequest,
+    baseline: DiffusersBaseline | None,
+    notes: list[str],
+    on_run: Callable[[], Any] | None = None,
+    stop: Callable[[float | None], bool] | None = None,
+) -> tuple[list[dict[str, Any]], int | None]:
+    """`plan.warmup` unmeasured then `plan.runs` measured runs, distvideo then `baseline` (if any) in each: the
+    measured run records and the frames' max abs difference of the first pair. `stop`, given the seconds the
+    previous run (both sides) took (None before the first), ends the loop early when it returns True."""
+    runs: list[dict[str, Any]] = []
+    frames_diff: int | None = None
+    forwards_noted = False
+    last: float | None = None
+    for i in range(plan.warmup + plan.runs):
+        if stop is not None and stop(last):
+            notes.append(f"stopped after {i} of {plan.warmup + plan.runs} runs (warm-up included): out of time")
+            break
+        began = time.perf_counter()
+        measured = i >= plan.warmup
+        peak_per_rank = gen.collective_rpc(rank_matmul_flops, args=(plan.matmul_size,)) if measured else []
+        ours, frames = distvideo_run(gen, request)
+        reference = None
         if baseline is not None:
-            baseline.close()
-    if not gen.is_output_rank:
-        return None
-    return build_report(gen, plan, request, runs, rank_envs, frames_diff, notes)
+            reference = baseline.run(request, return_frames=frames_diff is None)
+            theirs = reference.pop("frames", None)
+            if reference["transformer_forwards"] != plan.transformer_forwards and not forwards_noted:
+                forwards_noted = True
+                notes.append(
+                    f"diffusers ran {reference['transformer_forwards']} transformer forwards per request, "
+                    f"the FLOP count assumes {plan.transformer_forwards}: its MFU is off by that factor"
+                )
+            if theirs is not None and frames is not None:
+                frames_diff = max_abs_diff(frames, theirs)
+        last = time.perf_counter() - began
+        if on_run is not None:
+            on_run()
+        logger.debug(
+            "%s %d: distvideo %.2f s%s",
+            "run" if measured else "warm-up",
+            i - plan.warmup if measured else i,
+            ours["e2e_s"],
+            f", diffusers {reference['e2e_s']:.2f} s" if reference is not None else "",
+        )
+        if not measured:
+            continue
+        peak = sum(peak_per_rank)
+        add_efficiency(ours, plan.model_flops, peak)
+        record: dict[str, Any] = {"index": len(runs), "matmul_flops_per_rank": peak_per_rank, "distvideo": ours}
+        if reference is not None:
+            add_efficiency(reference, plan.model_flops, peak_per_rank[0])
+            record["diffusers"] = reference
+            record["ratios"] = run_ratios(ours, reference)
+        runs.append(record)
+    return runs, frames_diff

@@ -12,6 +12,7 @@ The package ships one such folder, the *embedded model* (``distvideo.models.embe
 
     build_test_checkpoint(tmp_path / "ckpt")          # 4 layers, UniPC scheduler
     build_benchmark_checkpoint(tmp_path / "bench")    # 256 wide (4 heads x 64), 4 layers
+    build_wan21_1_3b_checkpoint(path)                 # Wan2.1-T2V-1.3B's shape (2.9 GB; for the GPU check)
     build_tiny_wan(path, num_layers=6, scheduler="unipc", seed=3)  # anything else
 """
 
@@ -34,11 +35,13 @@ __all__ = [
     "EMBEDDED_DEFAULTS",
     "EMBEDDED_MODEL_CONFIG",
     "TEST_CHECKPOINT_CONFIG",
+    "WAN21_T2V_1_3B_CONFIG",
     "build_benchmark_checkpoint",
     "build_embedded_model",
     "build_test_checkpoint",
     "build_tiny_tokenizer",
     "build_tiny_wan",
+    "build_wan21_1_3b_checkpoint",
 ]
 
 #: Request defaults written to ``distvideo_defaults.json`` of the embedded model. 64 px is a multiple of the spatial
@@ -88,6 +91,31 @@ BENCHMARK_CHECKPOINT_CONFIG: dict[str, Any] = {
     "scheduler": "unipc",
     "seed": 2,
     "defaults": {"num_frames": 17, "height": 128, "width": 128, "num_inference_steps": 8, "guidance_scale": 5.0},
+}
+
+#: :func:`build_wan21_1_3b_checkpoint`: the transformer and VAE of ``Wan-AI/Wan2.1-T2V-1.3B-Diffusers`` (30 layers,
+#: 12 heads x 128 = 1536 wide, ffn 8960, text_dim 4096, 16 latent channels; VAE base_dim 96, z_dim 16) with random
+#: weights, stored in bfloat16 (the VAE in float32). The text encoder has UMT5-XXL's width (d_model 4096) but only 2
+#: layers of 4 heads x 64 and ffn 1024 (the real one: 24 layers, 64 heads, ffn 10240, 5.7B parameters), and the
+#: tokenizer is the tiny one: text-encoding figures measured on it are not the real model's.
+WAN21_T2V_1_3B_CONFIG: dict[str, Any] = {
+    "num_layers": 30,
+    "num_attention_heads": 12,
+    "attention_head_dim": 128,
+    "ffn_dim": 8960,
+    "text_dim": 4096,
+    "freq_dim": 256,
+    "vae_base_dim": 96,
+    "z_dim": 16,
+    "scheduler": "unipc",
+    "seed": 3,
+    "dtype": torch.bfloat16,
+    "vae_dtype": torch.float32,
+    "text_num_layers": 2,
+    "text_num_heads": 4,
+    "text_d_kv": 64,
+    "text_d_ff": 1024,
+    "defaults": {"num_frames": 81, "height": 480, "width": 832, "num_inference_steps": 50, "guidance_scale": 5.0},
 }
 
 # Per-channel latent statistics of the real Wan2.1 VAE; a tiny VAE with z_dim <= 16 uses the first z_dim entries.
@@ -417,3 +445,9 @@ def build_test_checkpoint(out_dir: str | Path, **overrides: Any) -> Path:
 def build_benchmark_checkpoint(out_dir: str | Path, **overrides: Any) -> Path:
     """A 256-wide (4 heads x 64), 4-layer checkpoint for benchmarks; overrides :data:`BENCHMARK_CHECKPOINT_CONFIG`."""
     return build_tiny_wan(out_dir, **{**BENCHMARK_CHECKPOINT_CONFIG, **overrides})
+
+
+def build_wan21_1_3b_checkpoint(out_dir: str | Path, **overrides: Any) -> Path:
+    """Wan2.1-T2V-1.3B's transformer and VAE shapes with random weights (:data:`WAN21_T2V_1_3B_CONFIG`, about
+    2.9 GB); keyword arguments override it (a smaller width for a CPU smoke run of the same code)."""
+    return build_tiny_wan(out_dir, **{**WAN21_T2V_1_3B_CONFIG, **overrides})

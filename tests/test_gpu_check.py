@@ -1,0 +1,101 @@
+"""benchmarks/gpu_check.py, the prepared GPU check, run as a developer runs it but with --smoke (CPU, tiny sizes,
+float32, mp on two gloo ranks), so it cannot rot between the rare occasions a GPU is lent: its JSON fields, its
+Markdown, and a broken parity turning into a nonzero exit."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
+STAGES = {"text_encoding", "denoising", "denoising_per_step", "decoding"}
+
+
+def run_check(tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess[str], dict]:
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(SCRIPT), "--smoke", "--out", str(out), "--folder", str(tmp_path / "ckpt"), *extra]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    report = json.loads((out / "gpu_check.json").read_text()) if (out / "gpu_check.json").is_file() else {}
+    assert (out / "gpu_check.md").is_file(), proc.stdout + proc.stderr
+    return proc, report
+
+
+def _check_bench(bench: dict) -> None:
+    assert bench["status"] == "ok" and set(bench["shapes"]) == {"5x32x48", "9x32x48"}
+    for key, shape in bench["shapes"].items():
+        assert shape["status"] == "ok", (key, shape)
+        report = shape["report"]
+        frames, height, width = (int(n) for n in key.split("x"))
+        cfg = report["config"]
+        assert (cfg["num_frames"], cfg["height"], cfg["width"], cfg["steps"], cfg["guidance_scale"]) == (
+            frames, height, width, 2, 5.0,
+        )  # fmt: skip
+        for side in ("distvideo", "diffusers"):
+            figures = report[side]
+            assert set(figures["stages"]) == STAGES and figures["e2e_s"] > 0 and figures["peak_memory_mb"] > 0
+            assert 0 < figures["mfu"] and figures["achieved_flops"] > 0
+        assert report["matmul_peak_flops"] > 0 and set(report["ratios"]) >= {"e2e_s", "denoising", "decoding"}
+        assert report["check"]["frames_max_abs_diff"] <= 2  # float32 on CPU: the project's rule against diffusers
+        assert report["env"]["device"] == "cpu" and report["env"]["world_size"] == 1
+
+
+@pytest.mark.slow
+def test_smoke_run_writes_every_phase(tmp_path):
+    proc, report = run_check(tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert report["mode"] == "smoke" and report["ok"] is True and report["elapsed_s"] > 0
+    phases = report["phases"]
+    assert list(phases) == ["build", "parity_diffusers", "parity_executors", "bench", "compile"]
+    assert all("elapsed_s" in p for p in phases.values())
+
+    large = phases["build"]["large"]
+    # the smoke run shrinks Wan2.1-T2V-1.3B's builder; what is left of its shape: 16 latent channels, z_dim 16
+    assert large["transformer"]["in_channels"] == 16 and large["vae"]["z_dim"] == 16
+    assert large["transformer"]["num_layers"] == 2 and not large["reused"]
+
+    parity = phases["parity_diffusers"]
+    assert parity["status"] == "ok" and parity["checks"] == dict.fromkeys(
+        ("float32", "bfloat16_mean", "bfloat16_max"), True
+    )
+    f32, bf16 = parity["float32_vs_diffusers_float32"], parity["bfloat16_vs_diffusers_float32"]
+    assert f32["max_abs_diff"] <= parity["bounds"]["float32_max_abs_diff"] == 2 and f32["shape"] == [5, 32, 32, 3]
+    assert bf16["mean_abs_diff"] <= parity["bounds"]["bfloat16_mean_vs_float32"]
+    assert parity["diffusers_bfloat16_vs_diffusers_float32"]["max_abs_diff"] > 0  # bfloat16 really ran
+
+    executors = phases["parity_executors"]
+    assert executors["status"] == "ok"
+    assert executors["mp"]["1"] == {
+        "status": "ok", "check": "byte-identical", "shape": [5, 32, 32, 3], "max_abs_diff": 0, "mean_abs_diff": 0.0,
+    }  # fmt: skip
+    assert executors["mp"]["2"]["status"] == "ok" and executors["mp"]["2"]["max_abs_diff"] <= 2
+
+    _check_bench(phases["bench"])
+    assert phases["compile"]["status"] == "skipped" and "compile" in phases["compile"]["reason"]
+
+    md = (tmp_path / "out" / "gpu_check.md").read_text()
+    for line in ("| parity_diffusers | ok |", "| parity_executors | ok |", "| compile | skipped |", "## 9x32x48"):
+        assert line in md
+    assert "phase bench: ok" in proc.stdout and "[" in proc.stdout.splitlines()[0]  # progress with elapsed time
+
+
+@pytest.mark.slow
+def test_broken_parity_exits_nonzero(tmp_path):
+    """The hidden --break-parity moves one pixel of distvideo's frames by 128 levels in both parity checks: each
+    must fail, the run must exit 1, and the results must still be written."""
+    proc, report = run_check(tmp_path, "--phases", "parity_diffusers,parity_executors", "--break-parity")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert report["ok"] is False
+    parity = report["phases"]["parity_diffusers"]
+    assert parity["status"] == "failed" and parity["checks"]["float32"] is False
+    assert parity["float32_vs_diffusers_float32"]["max_abs_diff"] >= 120
+    executors = report["phases"]["parity_executors"]
+    assert executors["status"] == "failed" and executors["mp"]["1"]["status"] == "failed"
+    assert executors["mp"]["2"]["status"] == "failed"
+    assert set(report["phases"]) == {"build", "parity_diffusers", "parity_executors"}
+    assert "| parity_diffusers | failed |" in (tmp_path / "out" / "gpu_check.md").read_text()
