@@ -109,6 +109,10 @@ class EngineConfig:
         "cross-attend to the text padding as one weighted key (exact; default on, DISTVIDEO_COMPACT_TEXT_PADDING)"
     )
     cpu_kernels: bool | None = _option("oneDNN 3D convolutions and fast RMS norms on CPU (default on)")
+    compile: bool | None = _option(
+        "regional torch.compile of the transformer blocks: compiles at each new shape, faster steps after "
+        "(default off, DISTVIDEO_COMPILE)"
+    )
     progress: bool | None = _option("show the denoising progress bar on the output rank (default on)")
     log_level: str | None = _option("log level of distvideo's logger (default INFO)", choices=LOG_LEVELS)
 
@@ -120,6 +124,7 @@ class EngineConfig:
             self,
             compact_text_padding=_default(self.compact_text_padding, envs.get("DISTVIDEO_COMPACT_TEXT_PADDING")),
             cpu_kernels=_default(self.cpu_kernels, envs.get("DISTVIDEO_CPU_KERNELS")),
+            compile=_default(self.compile, envs.get("DISTVIDEO_COMPILE")),
             progress=_default(self.progress, not envs.get("DISTVIDEO_NO_PROGRESS")),
             lora_cache_mb=self.lora_cache_mb if self.lora_cache_mb is not None else envs.get("DISTVIDEO_LORA_CACHE_MB"),
             log_level=(self.log_level or envs.get("DISTVIDEO_LOG_LEVEL")).upper(),

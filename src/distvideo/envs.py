@@ -90,6 +90,13 @@ _declare(
     "Faster CPU kernels for the VAE: float32 3D convolutions through oneDNN (which PyTorch's size heuristic skips "
     "for them) and channel RMS norms as a sum of squares and an rsqrt. 0 keeps diffusers' and PyTorch's own.",
 )
+_declare(
+    "DISTVIDEO_COMPILE",
+    _bool,
+    False,
+    "Default compile: regional torch.compile of the transformer's repeated blocks (compiles at each new shape; "
+    "docs/performance.md). 1 turns it on.",
+)
 
 # --- launcher variables (read by distvideo.launch; torchrun, Open MPI, MPICH/Intel MPI, Slurm) ---
 _LAUNCH_DOCS = {

@@ -70,6 +70,8 @@ def check_private_names() -> None:
             missing.append(f"{module_name}.{cls_name}.{attribute}")
     if not hasattr(nn.Conv3d, "_conv_forward"):
         missing.append(f"torch.nn.Conv3d._conv_forward (torch {torch.__version__})")
+    if not hasattr(nn.Module, "_compiled_call_impl"):
+        missing.append(f"torch.nn.Module._compiled_call_impl (torch {torch.__version__})")
     if missing:
         (lo_major, lo_minor), (hi_major, hi_minor) = TESTED_DIFFUSERS
         raise UnsupportedLibraryError(
@@ -165,3 +167,24 @@ def tensor_version(x: torch.Tensor) -> int:
 def abort_process_group() -> Callable[[], None] | None:
     """torch's abort of every process group (NCCL: returns without waiting on peers), or None when absent."""
     return getattr(torch.distributed.distributed_c10d, "_abort_process_group", None)
+
+
+def compiled_modules(module: nn.Module) -> list[nn.Module]:
+    """The submodules of `module` that ``nn.Module.compile()`` compiled (their ``_compiled_call_impl`` is set)."""
+    return [m for m in module.modules() if getattr(m, "_compiled_call_impl", None) is not None]
+
+
+def uncompile(module: nn.Module) -> None:
+    """Undo ``nn.Module.compile()`` on `module` alone: its calls run the eager ``forward`` again."""
+    module._compiled_call_impl = None
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent in torch.compile so far (dynamo's frame compiles, which include inductor's code
+    generation and its C++/Triton builds): torch._dynamo's cumulative ``entire_frame_compile`` (and backward) timer;
+    ``torch._dynamo.reset()`` sets it back to 0. 0.0 when this torch has no such counter."""
+    try:
+        from torch._dynamo.utils import calculate_time_spent
+    except ImportError:
+        return 0.0
+    return float(calculate_time_spent().get("total_wall_time", 0.0))

@@ -45,6 +45,31 @@ class CpuKernelsPlan:
         return use_cpu_kernels(module)
 
 
+@dataclass
+class CompilePlan:
+    """Regional compilation: ``torch.compile`` of each repeated block of a diffusers transformer (its
+    ``_repeated_blocks``, WanTransformerBlock for Wan), through diffusers' ``compile_repeated_blocks``. The blocks share
+    one compiled graph, so a shape compiles once, not once per layer. Listed after every plan that replaces attention
+    processors, so the compiled blocks trace the final processors. Compilation itself happens at the first call of
+    each new shape; `dynamic=False`: every shape gets its own static graph (no second, dynamic-shape recompile)."""
+
+    component: str
+    dynamic: bool | None = False
+
+    def apply(self, module: nn.Module) -> Undo:
+        compile_blocks = getattr(module, "compile_repeated_blocks", None)
+        if compile_blocks is None:
+            raise TypeError(f"{self.component} ({type(module).__name__}) has no compile_repeated_blocks (diffusers)")
+        compile_blocks(dynamic=self.dynamic)
+        compiled = compat.compiled_modules(module)
+
+        def undo() -> None:
+            for block in compiled:
+                compat.uncompile(block)
+
+        return undo
+
+
 def speed_plans(config: EngineConfig, model: ModelInfo | None = None) -> list[ModulePlan]:
     """The exact speed plans the config turns on (its switches resolved: EngineConfig.with_defaults), for every
     denoising transformer of the model's family (Wan2.1 T2V's one when `model` is None). A plan not shown exact for
@@ -64,6 +89,8 @@ def speed_plans(config: EngineConfig, model: ModelInfo | None = None) -> list[Mo
             plans += [TextPaddingPlan(component=name) for name in transformers]
     if config.cpu_kernels:
         plans += [CpuKernelsPlan("vae"), *(CpuKernelsPlan(name) for name in transformers)]
+    if config.compile:  # last: after every plan that replaces attention processors or module methods
+        plans += [CompilePlan(name) for name in transformers]
     return plans
 
 
