@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from distvideo.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class EnvVar:
@@ -161,7 +163,8 @@ def get_raw(name: str) -> str | None:
 
 
 def get(name: str) -> Any:
-    """The parsed value of a declared variable; its default when unset or empty."""
+    """The parsed value of a declared variable; its default when unset or empty. A value that does not parse is a
+    ConfigError (bad configuration: the CLI's exit 2), naming the variable, the value and what would work."""
     var = _lookup(name)
     raw = os.environ.get(name)
     if raw is None or raw == "":
@@ -169,7 +172,7 @@ def get(name: str) -> Any:
     try:
         return var.parse(raw)
     except ValueError as exc:
-        raise ValueError(f"environment variable {name}={raw!r} is invalid: {exc}") from None
+        raise ConfigError(f"environment variable {name}={raw!r} is invalid: {exc}") from None
 
 
 def is_set(name: str) -> bool:

@@ -1,0 +1,86 @@
+"""The `compile` engine option: regional torch.compile of the transformer's repeated blocks (CompilePlan, the last
+plan), frames within 2 of uncompiled, and the compile time reported apart from the denoising steps."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import max_abs_diff
+from distvideo import VideoGenerator
+from distvideo.cli.main import main
+from distvideo.config import EngineConfig
+from distvideo.models import compat
+from distvideo.models.plans import CompilePlan, CpuKernelsPlan, speed_plans
+from distvideo.models.registry import WAN22_T2V_A14B
+from distvideo.worker import separate_compile_time
+
+REQUEST = {"num_frames": 5, "height": 32, "width": 32, "num_inference_steps": 2, "seed": 3, "save_video": False}
+
+
+def test_compile_plans_come_last_for_every_transformer():
+    config = EngineConfig(compile=True, cpu_kernels=True, compact_text_padding=False).with_defaults()
+    plans = speed_plans(config, SimpleNamespace(family=WAN22_T2V_A14B))
+    assert [type(p) for p in plans[-2:]] == [CompilePlan, CompilePlan]
+    assert [p.component for p in plans[-2:]] == ["transformer", "transformer_2"]
+    assert isinstance(plans[0], CpuKernelsPlan)
+    assert not any(isinstance(p, CompilePlan) for p in speed_plans(EngineConfig(compile=False).with_defaults()))
+
+
+def test_compile_defaults_to_the_environment(monkeypatch):
+    monkeypatch.delenv("DISTVIDEO_COMPILE", raising=False)
+    assert EngineConfig().with_defaults().compile is False
+    monkeypatch.setenv("DISTVIDEO_COMPILE", "1")
+    assert EngineConfig().with_defaults().compile is True
+    assert EngineConfig(compile=False).with_defaults().compile is False
+
+
+def test_compile_plan_compiles_only_the_repeated_blocks_and_undoes(embedded_model):
+    from diffusers import WanTransformer3DModel
+
+    transformer = WanTransformer3DModel.from_pretrained(str(embedded_model / "transformer"))
+    undo = CompilePlan("transformer").apply(transformer)
+    compiled = compat.compiled_modules(transformer)
+    assert compiled and {type(m).__name__ for m in compiled} == {"WanTransformerBlock"}
+    assert len(compiled) == len(transformer.blocks)
+    undo()
+    assert compat.compiled_modules(transformer) == []
+
+
+def test_compile_time_leaves_the_per_step_figure():
+    timings = {"denoising": 10.0, "per_step_denoising": 2.5}
+    separate_compile_time(timings, 8.0, steps=4)
+    assert timings == {"denoising": 10.0, "per_step_denoising": 0.5, "compile": 8.0}
+    separate_compile_time(timings, -1.0, steps=4)  # dynamo's counter was reset meanwhile
+    assert timings["compile"] == 0.0 and timings["per_step_denoising"] == 2.5
+
+
+def test_compile_flag_in_help(capsys):
+    assert main(["generate", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--compile" in out and "--no-compile" in out
+
+
+@pytest.mark.usefixtures("no_weights_loaded")
+def test_bad_compile_value_in_the_environment_exits_2(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("DISTVIDEO_COMPILE", "sometimes")
+    out = tmp_path / "never.mp4"
+    assert main(["generate", "--prompt", "a fox", "--output", str(out), "--num-frames", "5"]) == 2
+    err = capsys.readouterr().err
+    assert "DISTVIDEO_COMPILE" in err and "sometimes" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_compiled_frames_match_and_compile_time_is_reported_once_per_shape():
+    with VideoGenerator.from_config(EngineConfig(executor="inline", progress=False)) as gen:
+        eager = gen.generate("a red fox in the snow", **REQUEST)
+    assert "compile" not in eager.timings
+    with VideoGenerator.from_config(EngineConfig(executor="inline", compile=True, progress=False)) as gen:
+        first = gen.generate("a red fox in the snow", **REQUEST)
+        again = gen.generate("a red fox in the snow", **REQUEST)
+    assert first.timings["compile"] > 0
+    assert again.timings["compile"] == 0.0  # the same shape: no recompile (dynamic=False, one graph per shape)
+    assert max_abs_diff(first.frames, eager.frames) <= 2
+    assert max_abs_diff(again.frames, eager.frames) <= 2
