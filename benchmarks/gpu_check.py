@@ -13,7 +13,9 @@ and what was measured so far is written after every phase):
 4. bench: 480x832, 33 and 81 frames, 20 steps, guidance 5 on the 1.3B-shaped checkpoint, distvideo and diffusers
    interleaved run by run (`distvideo bench`'s loop: text encoding, denoising per step, decoding, end to end, peak
    memory, MFU against a measured bf16 matmul peak);
-5. compile: torch.compile, skipped while the engine has no such option (said in the output).
+5. compile: `distvideo bench --compile` (regional torch.compile of the transformer blocks) on the first timed shape:
+   the compiling first run, warm runs beside the bench phase's uncompiled figures, frames against an uncompiled run;
+   skipped in --smoke mode (compiling takes 20-35 s on 2 CPU cores; tests/test_compile.py covers it on CPU).
 
 Writes gpu_check.json and gpu_check.md into --out; exits 1 on any parity failure or phase error, 3 when the
 whole-run watchdog fired (the partial results are written first), 2 on bad arguments. Never uses the network.
@@ -84,7 +86,7 @@ class Run:
         phases = self.result["phases"]
         self.result["elapsed_s"] = round(self.elapsed(), 1)
         self.result["ok"] = all(p.get("status") in ("ok", "skipped") for p in phases.values()) if final else None
-        # every phase ran in full (compile is skipped by design while the engine has no such option)
+        # every phase ran in full (compile is skipped by design in --smoke mode)
         self.result["complete"] = all(p.get("status") == "ok" or n == "compile" for n, p in phases.items())
         _atomic(self.out / "gpu_check.json", json.dumps(self.result, indent=2, default=str) + "\n")
         _atomic(self.out / "gpu_check.md", markdown(self.result))
@@ -208,7 +210,29 @@ def markdown(result: dict[str, Any]) -> str:
             f"{report['matmul_peak_flops'] / 1e12:.1f} TFLOP/s ({report['env']['matmul']['dtype']}); notes: "
             + ("; ".join(report["notes"]) or "none")
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join([*lines, *_compile_lines(result)]) + "\n"
+
+
+def _compile_lines(result: dict[str, Any]) -> list[str]:
+    """The compile phase's figures beside the bench phase's uncompiled distvideo figures of the same shape."""
+    phase = result["phases"].get("compile", {})
+    if phase.get("status") != "ok":
+        return []
+    first, key = phase["first_run"], phase["shape"]
+    lines = ["", f"## {key} with --compile, {phase['steps']} steps, guidance 5", ""]
+    lines.append(
+        f"first run {first['e2e_s']:.2f} s, of which torch.compile {first.get('compile_s', 0.0):.2f} s; frames "
+        f"against the uncompiled engine: {phase['frames_vs_uncompiled']}"
+    )
+    report = phase.get("report")
+    if report is None:
+        return [*lines, "", "no warm run fit in the time left"]
+    eager = result["phases"].get("bench", {}).get("shapes", {}).get(key, {}).get("report")
+    lines += ["", "| figure | compiled (warm) | uncompiled (bench phase) |", "| --- | ---: | ---: |"]
+    for label, get, _ in FIGURES:
+        uncompiled = f"{get(eager['distvideo']):.3f}" if eager else ""
+        lines.append(f"| {label} | {get(report['distvideo']):.3f} | {uncompiled} |")
+    return lines
 
 
 # -- running --------------------------------------------------------------------------------------
@@ -314,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         body = lambda g: {**ph.bench(sizes, large, g, run.log), "steps": sizes.steps}  # noqa: E731
         run_phase(run, "bench", budgets["bench"], body)
     if "compile" in args.chosen:
-        run_phase(run, "compile", budgets["compile"], lambda g: ph.compile_phase(sizes, g))
+        run_phase(run, "compile", budgets["compile"], lambda g: ph.compile_phase(sizes, large, g, run.log))
     with run.lock:
         run.write(final=True)
     run.log(f"done: ok={run.result['ok']}; wrote {out / 'gpu_check.json'} and {out / 'gpu_check.md'}")

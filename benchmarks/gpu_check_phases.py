@@ -63,7 +63,7 @@ GPU = Sizes(
         {"num_frames": 33, "height": 480, "width": 832, "warmup": 1, "runs": 2},
         {"num_frames": 81, "height": 480, "width": 832, "warmup": 0, "runs": 1},
     ],
-    budgets={"build": 110, "parity_diffusers": 60, "parity_executors": 50, "bench": 240, "compile": 5},
+    budgets={"build": 110, "parity_diffusers": 60, "parity_executors": 50, "bench": 240, "compile": 150},
 )
 TINY_1_3B = dict(num_layers=2, num_attention_heads=2, attention_head_dim=16, ffn_dim=64, text_dim=32, vae_base_dim=8)
 SMOKE = Sizes(
@@ -146,9 +146,12 @@ def bench_plan(
     runs: int = 1,
     warmup: int = 0,
     dtype: str | None = None,
+    compare: bool = True,
+    compile: bool = False,
 ) -> Any:
     """A `distvideo bench` plan (the FLOP count, the resolved engine and request) for one shape of `model`;
-    `dtype` (default `sizes.dtype`, else the device's default dtypes) of the transformer and text encoder."""
+    `dtype` (default `sizes.dtype`, else the device's default dtypes) of the transformer and text encoder; `compare`:
+    against diffusers; `compile`: with --compile."""
     from distvideo.bench import add_bench_parser, plan_from_args
 
     parser = argparse.ArgumentParser()
@@ -156,7 +159,9 @@ def bench_plan(
     argv = ["bench", "--model", model, "--prompt", PROMPT, "--negative-prompt", NEGATIVE, "--no-progress"]
     argv += ["--num-frames", str(shape["num_frames"]), "--height", str(shape["height"]), "--width", str(shape["width"])]
     argv += ["--steps", str(steps), "--guidance-scale", "5", "--runs", str(runs), "--warmup", str(warmup)]
-    argv += ["--compare", "diffusers", "--executor", "inline", "--log-level", "WARNING"]
+    argv += ["--compare", "diffusers"] if compare else []
+    argv += ["--compile"] if compile else []
+    argv += ["--executor", "inline", "--log-level", "WARNING"]
     argv += ["--device", sizes.device] if sizes.device else []
     dtype = dtype or sizes.dtype
     argv += ["--dtype", dtype] if dtype else []
@@ -346,12 +351,48 @@ def bench(sizes: Sizes, large: str, guard: Guard, progress: Callable[[str], None
     return out
 
 
-def compile_phase(sizes: Sizes, guard: Guard) -> dict[str, Any]:
-    """torch.compile of the transformer blocks, when the engine offers it. It does not yet (issue 19's `--compile`):
-    skipped, and said so; with the option added, this phase is where the compiled run goes."""
+def compile_phase(sizes: Sizes, large: str, guard: Guard, progress: Callable[[str], None]) -> dict[str, Any]:
+    """`distvideo bench --compile` (regional torch.compile of the transformer blocks) on the first timed shape of the
+    large checkpoint, distvideo only (the bench phase has diffusers' figures for the same shape): the first run, which
+    compiles (its `compile_s` is torch's compile time in it), then the measured runs, warm; then, when time is left,
+    one uncompiled run of the same request for the frames' difference. Smoke mode skips it: compiling even the tiny
+    model takes 20-35 s on two CPU cores, more than the suite's smoke run can spend (tests/test_compile.py covers
+    compiled frames and the compile time on CPU)."""
+    from distvideo.bench.measure import distvideo_run, rank_environment
+    from distvideo.bench.report import build_report, format_report
+    from distvideo.bench.run import measure_interleaved
     from distvideo.config import EngineConfig
+    from distvideo.generator import VideoGenerator
 
-    names = {f.name for f in dataclasses.fields(EngineConfig)}
-    if "compile" not in names:
-        return {"status": "skipped", "reason": "the engine has no torch.compile option (EngineConfig.compile) yet"}
-    return {"status": "skipped", "reason": "EngineConfig.compile exists but this script does not run it yet"}
+    if "compile" not in {f.name for f in dataclasses.fields(EngineConfig)}:
+        return {"status": "skipped", "reason": "the engine has no torch.compile option (EngineConfig.compile)"}
+    if sizes.mode == "smoke":
+        return {
+            "status": "skipped",
+            "reason": "smoke mode: torch.compile takes 20-35 s on 2 CPU cores (tests/test_compile.py covers it)",
+        }
+    shape = sizes.shapes[0]
+    key = f"{shape['num_frames']}x{shape['height']}x{shape['width']}"
+    plan = bench_plan(large, sizes, shape, sizes.steps, runs=shape["runs"], compare=False, compile=True)
+    out: dict[str, Any] = {"status": "ok", "shape": key, "steps": sizes.steps}
+    with VideoGenerator.from_engine(plan.engine) as gen:
+        envs = gen.collective_rpc(rank_environment)
+        began = time.monotonic()
+        first, frames = distvideo_run(gen, plan.request)
+        out["first_run"] = first
+        progress(f"compile: first run {first['e2e_s']:.1f} s, compile {first.get('compile_s', 0):.1f} s")
+        notes: list[str] = []
+        first_s = time.monotonic() - began
+        runs, _ = measure_interleaved(gen, plan, plan.request, None, notes, stop=_stopper(guard, lambda: first_s))
+        if runs:
+            report = build_report(gen, plan, plan.request, runs, envs, None, notes)
+            out.update(report=report, table=format_report(report))
+    if frames is not None and guard.left() > 2 * (first_s if not runs else runs[-1]["distvideo"]["e2e_s"]) + 30:
+        eager = bench_plan(large, sizes, shape, sizes.steps, compare=False)
+        with VideoGenerator.from_engine(eager.engine) as gen:
+            _, reference = distvideo_run(gen, eager.request)
+        out["frames_vs_uncompiled"] = frame_diff(frames, reference)
+    else:
+        out["frames_vs_uncompiled"] = {"status": "skipped", "reason": f"{guard.left():.0f} s left in the phase"}
+    progress(f"compile: done ({guard.left():.0f} s left)")
+    return out

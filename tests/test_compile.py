@@ -7,7 +7,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import max_abs_diff
 from distvideo import VideoGenerator
 from distvideo.cli.main import main
 from distvideo.config import EngineConfig
@@ -15,6 +14,8 @@ from distvideo.models import compat
 from distvideo.models.plans import CompilePlan, CpuKernelsPlan, speed_plans
 from distvideo.models.registry import WAN22_T2V_A14B
 from distvideo.worker import separate_compile_time
+
+from conftest import max_abs_diff
 
 REQUEST = {"num_frames": 5, "height": 32, "width": 32, "num_inference_steps": 2, "seed": 3, "save_video": False}
 

@@ -115,6 +115,8 @@ def distvideo_run(gen: Any, request: GenerationRequest) -> tuple[dict[str, Any],
         "peak_memory_mb_per_rank": peaks,
         "memory_metric": metrics[0],
     }
+    if "compile" in t:  # --compile: seconds torch.compile spent in this request (not in denoising_per_step)
+        record["compile_s"] = t["compile"]
     return record, result.frames
 
 

@@ -147,6 +147,9 @@ def measure_interleaved(
         measured = i >= plan.warmup
         peak_per_rank = gen.collective_rpc(rank_matmul_flops, args=(plan.matmul_size,)) if measured else []
         ours, frames = distvideo_run(gen, request)
+        if ours.get("compile_s"):
+            what = f"run {i - plan.warmup}" if measured else f"warm-up {i}"
+            notes.append(f"{what}: torch.compile took {ours['compile_s']:.2f} s of its denoising (not per step)")
         reference = None
         if baseline is not None:
             reference = baseline.run(request, return_frames=frames_diff is None)
