@@ -29,6 +29,16 @@ def test_compile_plans_come_last_for_every_transformer():
     assert not any(isinstance(p, CompilePlan) for p in speed_plans(EngineConfig(compile=False).with_defaults()))
 
 
+def test_compile_leaves_compact_text_padding_out():
+    # the compacted text's length follows each prompt's token count: every new length would compile the blocks again
+    from distvideo.models.text_padding import TextPaddingPlan
+
+    config = EngineConfig(compile=True, compact_text_padding=True, cpu_kernels=False).with_defaults()
+    assert [type(p) for p in speed_plans(config)] == [CompilePlan]
+    config = EngineConfig(compile=False, compact_text_padding=True, cpu_kernels=False).with_defaults()
+    assert [type(p) for p in speed_plans(config)] == [TextPaddingPlan]
+
+
 def test_compile_defaults_to_the_environment(monkeypatch):
     monkeypatch.delenv("DISTVIDEO_COMPILE", raising=False)
     assert EngineConfig().with_defaults().compile is False
@@ -81,7 +91,9 @@ def test_compiled_frames_match_and_compile_time_is_reported_once_per_shape():
     with VideoGenerator.from_config(EngineConfig(executor="inline", compile=True, progress=False)) as gen:
         first = gen.generate("a red fox in the snow", **REQUEST)
         again = gen.generate("a red fox in the snow", **REQUEST)
+        other_prompt = gen.generate("a cat", **REQUEST)
     assert first.timings["compile"] > 0
     assert again.timings["compile"] == 0.0  # the same shape: no recompile (dynamic=False, one graph per shape)
+    assert other_prompt.timings["compile"] == 0.0  # nor for another prompt length (the text stays padded)
     assert max_abs_diff(first.frames, eager.frames) <= 2
     assert max_abs_diff(again.frames, eager.frames) <= 2

@@ -90,6 +90,13 @@ def speed_plans(config: EngineConfig, model: ModelInfo | None = None) -> list[Mo
     if config.cpu_kernels:
         plans += [CpuKernelsPlan("vae"), *(CpuKernelsPlan(name) for name in transformers)]
     if config.compile:  # last: after every plan that replaces attention processors or module methods
+        if any(isinstance(plan, TextPaddingPlan) for plan in plans):
+            _log_once(
+                "compact text padding is off with --compile: the compacted text follows each prompt's token count, "
+                "so the compiled blocks would compile again for each new prompt length (torch keeps 8 graphs, then "
+                "runs them eagerly); with the full padded text there is one graph per video shape"
+            )
+            plans = [plan for plan in plans if not isinstance(plan, TextPaddingPlan)]
         plans += [CompilePlan(name) for name in transformers]
     return plans
 
