@@ -39,6 +39,14 @@ def test_compile_leaves_compact_text_padding_out():
     assert [type(p) for p in speed_plans(config)] == [TextPaddingPlan]
 
 
+def test_compile_is_left_out_under_sequence_parallelism():
+    # Ulysses' per-block hooks made the compiled blocks recompile until torch's limit of 8 graphs (measured)
+    from distvideo.models.text_padding import TextPaddingPlan
+
+    config = EngineConfig(compile=True, compact_text_padding=True, cpu_kernels=False).with_defaults()
+    assert [type(p) for p in speed_plans(config, sp_size=2)] == [TextPaddingPlan]
+
+
 def test_compile_defaults_to_the_environment(monkeypatch):
     monkeypatch.delenv("DISTVIDEO_COMPILE", raising=False)
     assert EngineConfig().with_defaults().compile is False

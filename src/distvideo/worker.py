@@ -170,7 +170,7 @@ class Worker:
         transformers = model.family.transformers
         plans = [
             *(self.parallel.plans(transformers) if self.parallel is not None else []),
-            *speed_plans(self.config, model),
+            *speed_plans(self.config, model, sp_size=self.engine.layout.sp_size),
         ]
         self._undo_plans = apply_plans(components, plans)
         pipeline_cls = PIPELINES[model.family.pipeline]

@@ -70,10 +70,11 @@ class CompilePlan:
         return undo
 
 
-def speed_plans(config: EngineConfig, model: ModelInfo | None = None) -> list[ModulePlan]:
+def speed_plans(config: EngineConfig, model: ModelInfo | None = None, *, sp_size: int = 1) -> list[ModulePlan]:
     """The exact speed plans the config turns on (its switches resolved: EngineConfig.with_defaults), for every
     denoising transformer of the model's family (Wan2.1 T2V's one when `model` is None). A plan not shown exact for
-    a family is left out of its list, with the reason logged once."""
+    a family is left out of its list, with the reason logged once; so is `--compile` under sequence parallelism
+    (`sp_size` > 1), which it does not yet serve."""
     from distvideo.models.text_padding import TextPaddingPlan
 
     transformers = model.family.transformers if model is not None else ("transformer",)
@@ -89,7 +90,14 @@ def speed_plans(config: EngineConfig, model: ModelInfo | None = None) -> list[Mo
             plans += [TextPaddingPlan(component=name) for name in transformers]
     if config.cpu_kernels:
         plans += [CpuKernelsPlan("vae"), *(CpuKernelsPlan(name) for name in transformers)]
-    if config.compile:  # last: after every plan that replaces attention processors or module methods
+    compiling = bool(config.compile)
+    if compiling and sp_size > 1:
+        compiling = False
+        _log_once(
+            f"--compile is off under sequence parallelism (sp_size={sp_size}): Ulysses' per-block hooks made the "
+            "compiled blocks recompile until torch's limit of 8 graphs and then run eagerly"
+        )
+    if compiling:  # last: after every plan that replaces attention processors or module methods
         if any(isinstance(plan, TextPaddingPlan) for plan in plans):
             _log_once(
                 "compact text padding is off with --compile: the compacted text follows each prompt's token count, "
