@@ -13,7 +13,10 @@ and what was measured so far is written after every phase):
 4. bench: 480x832, 33 and 81 frames, 20 steps, guidance 5 on the 1.3B-shaped checkpoint, distvideo and diffusers
    interleaved run by run (`distvideo bench`'s loop: text encoding, denoising per step, decoding, end to end, peak
    memory, MFU against a measured bf16 matmul peak);
-5. compile: `distvideo bench --compile` (regional torch.compile of the transformer blocks) on the first timed shape:
+5. offload: one engine per `--offload` mode (none, text, model) on the 1.3B-shaped checkpoint, one request at the
+   first timed shape (2 steps): device memory after loading, the request's peak, text-encoding and decoding times,
+   frames byte-identical to offload=none (gpu_check_offload.py); skipped in --smoke mode;
+6. compile: `distvideo bench --compile` (regional torch.compile of the transformer blocks) on the first timed shape:
    the compiling first run, warm runs beside the bench phase's uncompiled figures, frames against an uncompiled run;
    skipped in --smoke mode (compiling takes 20-35 s on 2 CPU cores; tests/test_compile.py covers it on CPU).
 
@@ -45,7 +48,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-PHASES = ("build", "parity_diffusers", "parity_executors", "bench", "compile")
+PHASES = ("build", "parity_diffusers", "parity_executors", "bench", "offload", "compile")
 WATCHDOG_GRACE_S = 15.0
 
 
@@ -86,8 +89,9 @@ class Run:
         phases = self.result["phases"]
         self.result["elapsed_s"] = round(self.elapsed(), 1)
         self.result["ok"] = all(p.get("status") in ("ok", "skipped") for p in phases.values()) if final else None
-        # every phase ran in full (compile is skipped by design in --smoke mode)
-        self.result["complete"] = all(p.get("status") == "ok" or n == "compile" for n, p in phases.items())
+        # every phase ran in full (compile, and offload in --smoke mode, are skipped by design there)
+        optional = {"compile", "offload"} if self.result["mode"] == "smoke" else {"compile"}
+        self.result["complete"] = all(p.get("status") == "ok" or n in optional for n, p in phases.items())
         _atomic(self.out / "gpu_check.json", json.dumps(self.result, indent=2, default=str) + "\n")
         _atomic(self.out / "gpu_check.md", markdown(self.result))
 
@@ -169,6 +173,13 @@ def _phase_line(name: str, phase: dict[str, Any]) -> str:
             f"mp {n} rank(s): {m['status']} ({m.get('check') or m.get('reason')}, max abs diff {m.get('max_abs_diff')})"
             for n, m in phase["mp"].items()
         )
+    if name == "offload" and "modes" in phase:
+        detail = "; ".join(
+            f"{mode}: peak {m.get('request_peak_mb')} MiB, {m.get('frames_vs_none', 'reference')}"
+            if m["status"] != "skipped"
+            else f"{mode}: skipped"
+            for mode, m in phase["modes"].items()
+        )
     if name == "build" and "large" in phase:
         t = phase["large"]["transformer"]
         detail = (
@@ -210,7 +221,10 @@ def markdown(result: dict[str, Any]) -> str:
             f"{report['matmul_peak_flops'] / 1e12:.1f} TFLOP/s ({report['env']['matmul']['dtype']}); notes: "
             + ("; ".join(report["notes"]) or "none")
         )
-    return "\n".join([*lines, *_compile_lines(result)]) + "\n"
+    from gpu_check_offload import markdown_lines
+
+    offload = markdown_lines(result["phases"].get("offload", {}))
+    return "\n".join([*lines, *offload, *_compile_lines(result)]) + "\n"
 
 
 def _compile_lines(result: dict[str, Any]) -> list[str]:
@@ -337,6 +351,10 @@ def main(argv: list[str] | None = None) -> int:
     if "bench" in args.chosen:
         body = lambda g: {**ph.bench(sizes, large, g, run.log), "steps": sizes.steps}  # noqa: E731
         run_phase(run, "bench", budgets["bench"], body)
+    if "offload" in args.chosen:
+        from gpu_check_offload import offload_phase
+
+        run_phase(run, "offload", budgets["offload"], lambda g: offload_phase(sizes, large, g, run.log))
     if "compile" in args.chosen:
         run_phase(run, "compile", budgets["compile"], lambda g: ph.compile_phase(sizes, large, g, run.log))
     with run.lock:

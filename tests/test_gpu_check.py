@@ -51,7 +51,7 @@ def test_smoke_run_writes_every_phase(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert report["mode"] == "smoke" and report["ok"] is True and report["elapsed_s"] > 0
     phases = report["phases"]
-    assert list(phases) == ["build", "parity_diffusers", "parity_executors", "bench", "compile"]
+    assert list(phases) == ["build", "parity_diffusers", "parity_executors", "bench", "offload", "compile"]
     assert all("elapsed_s" in p for p in phases.values())
 
     large = phases["build"]["large"]
@@ -77,9 +77,11 @@ def test_smoke_run_writes_every_phase(tmp_path):
 
     _check_bench(phases["bench"])
     assert phases["compile"]["status"] == "skipped" and "smoke mode" in phases["compile"]["reason"]
+    assert phases["offload"]["status"] == "skipped" and "smoke mode" in phases["offload"]["reason"]
+    assert report["complete"] is True
 
     md = (tmp_path / "out" / "gpu_check.md").read_text()
-    for line in ("| parity_diffusers | ok |", "| parity_executors | ok |", "| compile | skipped |", "## 9x32x48"):
+    for line in ("| parity_diffusers | ok |", "| parity_executors | ok |", "| offload | skipped |", "## 9x32x48"):
         assert line in md
     assert "phase bench: ok" in proc.stdout and "[" in proc.stdout.splitlines()[0]  # progress with elapsed time
 
@@ -99,3 +101,30 @@ def test_broken_parity_exits_nonzero(tmp_path):
     assert executors["mp"]["2"]["status"] == "failed"
     assert set(report["phases"]) == {"build", "parity_diffusers", "parity_executors"}
     assert "| parity_diffusers | failed |" in (tmp_path / "out" / "gpu_check.md").read_text()
+
+
+def test_offload_phase_measures_every_mode(monkeypatch):
+    """The offload phase runs only on CUDA in the GPU check; forced here on the CPU with the tiny model so its code
+    cannot rot: every mode measured, frames byte-identical to offload=none, the Markdown table written."""
+    import dataclasses
+    import time
+
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    from gpu_check_offload import markdown_lines, offload_phase
+    from gpu_check_phases import SMOKE, Guard
+
+    sizes = dataclasses.replace(SMOKE, shapes=[{"num_frames": 5, "height": 32, "width": 32, "warmup": 0, "runs": 1}])
+    guard = Guard(300, time.monotonic() + 300)
+    assert offload_phase(sizes, None, guard, print)["status"] == "skipped"  # smoke mode: skipped unless forced
+    phase = offload_phase(sizes, None, guard, print, force=True)
+    assert phase["status"] == "ok" and list(phase["modes"]) == ["none", "text", "model"]
+    for mode, entry in phase["modes"].items():
+        assert entry["status"] == "ok" and entry["request_peak_mb"] > 0 and entry["text_encoding_s"] >= 0, mode
+        assert entry["resident_after_load_mb"] is None  # device memory: CUDA only
+    assert phase["modes"]["none"]["offloaded_weights_mb"] == {}
+    assert set(phase["modes"]["text"]["offloaded_weights_mb"]) == {"text_encoder"}
+    assert set(phase["modes"]["model"]["offloaded_weights_mb"]) == {"text_encoder", "vae"}
+    assert phase["modes"]["model"]["saving_ok"] is None  # no device memory to compare on the CPU
+    assert phase["modes"]["text"]["frames_vs_none"] == phase["modes"]["model"]["frames_vs_none"] == "byte-identical"
+    table = "\n".join(markdown_lines(phase))
+    assert "## --offload on 5x32x32, 2 steps" in table and "| model |" in table

@@ -23,6 +23,7 @@ from distvideo.errors import ConfigError
 EXECUTORS = ("auto", "inline", "mp", "external")
 DTYPES = ("float32", "bfloat16", "float16")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+OFFLOAD_MODES = ("none", "text", "model")  # what waits in host memory until its stage (pipelines/offload.py)
 
 # Sane upper bounds of a request, checked before any work (what a model can take at all is checked against its
 # memory estimate when the request is resolved: models/memory.py).
@@ -113,6 +114,11 @@ class EngineConfig:
         "regional torch.compile of the transformer blocks: compiles at each new shape, faster steps after "
         "(default off, DISTVIDEO_COMPILE)"
     )
+    offload: str | None = _option(
+        "text encoder (text), also image encoder and VAE (model): in host memory until their stage (DISTVIDEO_OFFLOAD)",
+        choices=OFFLOAD_MODES,
+    )
+    offload_experts: bool | None = _option("Wan2.2 A14B: the inactive expert waits in host memory (default: on CUDA)")
     progress: bool | None = _option("show the denoising progress bar on the output rank (default on)")
     log_level: str | None = _option("log level of distvideo's logger (default INFO)", choices=LOG_LEVELS)
 
@@ -125,17 +131,19 @@ class EngineConfig:
             compact_text_padding=_default(self.compact_text_padding, envs.get("DISTVIDEO_COMPACT_TEXT_PADDING")),
             cpu_kernels=_default(self.cpu_kernels, envs.get("DISTVIDEO_CPU_KERNELS")),
             compile=_default(self.compile, envs.get("DISTVIDEO_COMPILE")),
+            offload=self.offload or envs.get("DISTVIDEO_OFFLOAD"),
             progress=_default(self.progress, not envs.get("DISTVIDEO_NO_PROGRESS")),
             lora_cache_mb=self.lora_cache_mb if self.lora_cache_mb is not None else envs.get("DISTVIDEO_LORA_CACHE_MB"),
             log_level=(self.log_level or envs.get("DISTVIDEO_LOG_LEVEL")).upper(),
-            dist_timeout=self.dist_timeout
-            if self.dist_timeout is not None
-            else float(envs.get("DISTVIDEO_DIST_TIMEOUT")),
+            dist_timeout=float(envs.get("DISTVIDEO_DIST_TIMEOUT") if self.dist_timeout is None else self.dist_timeout),
         )
 
     def validate(self) -> None:
-        if self.executor not in EXECUTORS:
-            raise ConfigError(f"executor={self.executor!r} is not supported; choose one of {', '.join(EXECUTORS)}")
+        for f in dataclasses.fields(self):  # executor, dtype, offload, log_level (in any case)
+            value, choices = getattr(self, f.name), f.metadata.get("choices")
+            seen = str(value).upper() if f.name == "log_level" else value
+            if choices and value is not None and seen not in choices:
+                raise ConfigError(f"{f.name}={value!r} is not supported; choose one of {', '.join(choices)}")
         if self.num_gpus is not None and self.num_gpus < 1:
             raise ConfigError(f"num_gpus={self.num_gpus} must be >= 1 (the number of ranks)")
         if self.lora_cache_mb is not None and (
@@ -148,8 +156,6 @@ class EngineConfig:
             raise ConfigError(f"replicas={self.replicas} must be >= 1")
         if self.dist_timeout is not None and not (self.dist_timeout > 0 and math.isfinite(self.dist_timeout)):
             raise ConfigError(f"dist_timeout={self.dist_timeout} must be a positive, finite number of seconds")
-        if self.dtype is not None and self.dtype not in DTYPES:
-            raise ConfigError(f"dtype={self.dtype!r} is not supported; choose one of {', '.join(DTYPES)}")
         for spec in self.lora:
             if not 0.0 <= abs(spec.strength) < 1e6:
                 raise ConfigError(f"lora strength {spec.strength} for {spec.path} is not a finite number")
@@ -157,10 +163,6 @@ class EngineConfig:
                 raise ConfigError(
                     f"lora target {spec.target!r} for {spec.path}: choose one of {', '.join(LORA_TARGETS)}"
                 )
-        if self.log_level is not None and (
-            not isinstance(self.log_level, str) or self.log_level.upper() not in LOG_LEVELS
-        ):
-            raise ConfigError(f"log_level={self.log_level!r} is not a log level; choose one of {', '.join(LOG_LEVELS)}")
 
 
 @dataclass

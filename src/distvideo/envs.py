@@ -41,6 +41,15 @@ def _int(value: str) -> int:
     return int(value.strip())
 
 
+def _choice(*choices: str) -> Callable[[str], str]:
+    def parse(value: str) -> str:
+        if value.strip().lower() not in choices:
+            raise ValueError(f"expected one of {', '.join(choices)}, got {value!r}")
+        return value.strip().lower()
+
+    return parse
+
+
 REGISTRY: dict[str, EnvVar] = {}
 
 
@@ -98,6 +107,13 @@ _declare(
     False,
     "Default compile: regional torch.compile of the transformer's repeated blocks (compiles at each new shape; "
     "docs/performance.md). 1 turns it on.",
+)
+_declare(
+    "DISTVIDEO_OFFLOAD",
+    _choice("none", "text", "model"),  # config.OFFLOAD_MODES (tests/test_offload.py keeps the two equal)
+    "none",
+    "Default offload: none keeps every component on the device; text keeps the text encoder in host memory except "
+    "while it encodes; model does so for the text encoder, the image encoder and the VAE (docs/performance.md).",
 )
 
 # --- launcher variables (read by distvideo.launch; torchrun, Open MPI, MPICH/Intel MPI, Slurm) ---

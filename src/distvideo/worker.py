@@ -180,7 +180,11 @@ class Worker:
             model,
             show_progress=bool(self.config.progress) and self.is_output_rank,
             parallel=self.parallel,
+            offload=self.config.offload or "none",
+            offload_experts=self.config.offload_experts,
         )
+        if self.pipeline.offload.offloaded and self.rank == 0:
+            logger.info("%s", self.pipeline.offload.describe())
 
     def shutdown(self, *, broken: bool = False) -> None:
         """Release the pipeline and the process groups. `broken`: a collective failed (a peer died, timed out or left),
@@ -288,6 +292,7 @@ class Worker:
             sp_size=layout.sp_size,
             decode_bands=bands,
             dtype_bytes=torch.empty((), dtype=dtype).element_size(),
+            offloaded=self.pipeline.offload.device_bytes_per_visit(),
         )
         sharing = (self.rank_info.local_world_size or 1) if self.device.type == "cpu" else 1
         limit = int(USABLE_FRACTION * available_memory_bytes(self.device))

@@ -8,11 +8,18 @@ its working set grows with the pixels of a frame and the decoder's base width, n
 rank also holds the decoded video in float32 and its uint8 frames. The constants below were fitted to peak resident
 memory measured on CPU (float32) with three decoders of base width 4, 8 and 16 at 256x256 to 768x768 and 9 to 33
 frames (`tests/test_memory.py` checks the estimate within 30% of fresh measurements).
+
+With offload (the `offload` engine option, pipelines/offload.py) the text encoder, image encoder or VAE wait in host
+memory between requests, so the memory available when the request is checked does not hold them: the stage that
+uses one brings its weights back onto the device, and the estimate adds them to that stage (the VAE's to the
+decode, an encoder's to its own stage, where the activations are small beside its weights). On the CPU nothing
+moves and nothing is added.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from distvideo.config import GenerationRequest
@@ -33,16 +40,28 @@ class MemoryEstimate:
     transformer_bytes: int
     decode_bytes: int
     video_bytes: int
+    vae_weight_bytes: int = 0  # the offloaded VAE's weights, back on the device for the decode
+    encoder_weight_bytes: int = 0  # the larger offloaded encoder's weights, on the device for its stage
 
     @property
     def total(self) -> int:
         """The transient peak of one request on this rank (the stages run one after the other)."""
-        return max(self.transformer_bytes, self.decode_bytes + self.video_bytes)
+        return max(
+            self.transformer_bytes,
+            self.decode_bytes + self.video_bytes + self.vae_weight_bytes,
+            self.encoder_weight_bytes,
+        )
 
     def describe(self) -> str:
+        offloaded = ""
+        if self.vae_weight_bytes or self.encoder_weight_bytes:
+            offloaded = (
+                f"; offloaded weights back on the device for their stage: VAE {_gib(self.vae_weight_bytes)}, "
+                f"encoder {_gib(self.encoder_weight_bytes)}"
+            )
         return (
             f"about {_gib(self.total)} (decode {_gib(self.decode_bytes)} + video {_gib(self.video_bytes)}, "
-            f"transformer {_gib(self.transformer_bytes)})"
+            f"transformer {_gib(self.transformer_bytes)}{offloaded})"
         )
 
 
@@ -54,9 +73,12 @@ def estimate_request(
     decode_bands: int = 1,
     output_rank: bool = True,
     dtype_bytes: int = 4,
+    offloaded: Mapping[str, int] | None = None,
 ) -> MemoryEstimate:
     """The activations of `request` on one rank: its share of the tokens under sequence parallelism, its band of rows
-    under the banded decode, the video only on the output rank. `dtype_bytes`: the transformer's dtype."""
+    under the banded decode, the video only on the output rank. `dtype_bytes`: the transformer's dtype. `offloaded`:
+    the weight bytes each offloaded component brings onto the device for its stage (ComponentOffload's
+    `device_bytes_per_visit`: "text_encoder", "image_encoder", "vae")."""
     assert request.num_frames is not None and request.height is not None and request.width is not None
     _, _, frames, rows, cols = model.latent_shape(request)
     p_t, p_h, p_w = model.patch_size
@@ -69,7 +91,14 @@ def estimate_request(
     base = int(model.vae_config.get("base_dim", 96))
     decode = DECODE_BYTES_PER_PIXEL_CHANNEL * base * pixels // max(1, decode_bands)
     video = VIDEO_BYTES_PER_PIXEL_FRAME * request.num_frames * pixels if output_rank else 0
-    return MemoryEstimate(transformer_bytes=transformer, decode_bytes=decode, video_bytes=video)
+    weights = offloaded or {}
+    return MemoryEstimate(
+        transformer_bytes=transformer,
+        decode_bytes=decode,
+        video_bytes=video,
+        vae_weight_bytes=weights.get("vae", 0),
+        encoder_weight_bytes=max(weights.get("text_encoder", 0), weights.get("image_encoder", 0)),
+    )
 
 
 def fitting_size(model: ModelInfo, request: GenerationRequest, estimate: int, limit: int) -> tuple[int, int]:

@@ -25,6 +25,7 @@ from distvideo.config import GenerationRequest
 from distvideo.models.compat import prompt_clean
 from distvideo.models.registry import ModelInfo
 from distvideo.pipelines.control import StepControl
+from distvideo.pipelines.offload import ComponentOffload
 
 if TYPE_CHECKING:
     from distvideo.parallel.context import ParallelContext
@@ -60,13 +61,19 @@ class WanT2VPipeline:
         *,
         show_progress: bool = True,
         parallel: ParallelContext | None = None,  # None: one rank
+        offload: str = "none",  # what waits in host memory until its stage (pipelines/offload.py)
+        offload_experts: bool | None = None,  # read by the two-expert pipelines only (pipelines/wan22_a14b.py)
     ):
         self.parallel = parallel
         self.model = model
         self.tokenizer = components["tokenizer"]
-        self.text_encoder = components["text_encoder"].to(device).eval()
+        self.text_encoder = components["text_encoder"].eval()
         self.transformer = components["transformer"].to(device).eval()
-        self.vae = components["vae"].to(device).eval()
+        self.vae = components["vae"].eval()
+        encoder = components.get("image_encoder")  # Wan2.1 I2V's CLIP
+        self.image_encoder = encoder.eval() if encoder is not None else None
+        modules = {"text_encoder": self.text_encoder, "image_encoder": self.image_encoder, "vae": self.vae}
+        self.offload = ComponentOffload(modules, device, offload)
         self.scheduler_config = components["scheduler"].config
         self.scheduler_cls = type(components["scheduler"])
         self.device = device
@@ -80,15 +87,16 @@ class WanT2VPipeline:
     @torch.no_grad()
     def encode_text(self, batch: WanBatch) -> None:
         req = batch.request
-        if self.parallel is not None:  # under CFG parallelism each half encodes only its branch's text
-            negative = (req.negative_prompt or "") if batch.do_cfg else None
-            batch.prompt_embeds, batch.negative_prompt_embeds = self.parallel.encode_text(
-                functools.partial(self._t5_embeds, max_len=req.max_sequence_length), req.prompt, negative
-            )
-            return
-        batch.prompt_embeds = self._t5_embeds(req.prompt, req.max_sequence_length)
-        if batch.do_cfg:
-            batch.negative_prompt_embeds = self._t5_embeds(req.negative_prompt or "", req.max_sequence_length)
+        with self.offload.on_device("text_encoder"):
+            if self.parallel is not None:  # under CFG parallelism each half encodes only its branch's text
+                negative = (req.negative_prompt or "") if batch.do_cfg else None
+                batch.prompt_embeds, batch.negative_prompt_embeds = self.parallel.encode_text(
+                    functools.partial(self._t5_embeds, max_len=req.max_sequence_length), req.prompt, negative
+                )
+                return
+            batch.prompt_embeds = self._t5_embeds(req.prompt, req.max_sequence_length)
+            if batch.do_cfg:
+                batch.negative_prompt_embeds = self._t5_embeds(req.negative_prompt or "", req.max_sequence_length)
 
     def _t5_embeds(self, text: str, max_len: int) -> torch.Tensor:
         inputs = self.tokenizer(
@@ -175,10 +183,11 @@ class WanT2VPipeline:
         mean = self._latents_mean.to(latents.device, latents.dtype)
         std = self._latents_std.to(latents.device, latents.dtype)
         latents = latents / std + mean
-        if self.parallel is not None:  # every rank decodes a band of rows; the video lands on rank 0 only
-            batch.video = self.parallel.decode(latents)
-        else:
-            batch.video = self.vae.decode(latents, return_dict=False)[0]
+        with self.offload.on_device("vae"):
+            if self.parallel is not None:  # every rank decodes a band of rows; the video lands on rank 0 only
+                batch.video = self.parallel.decode(latents)
+            else:
+                batch.video = self.vae.decode(latents, return_dict=False)[0]
 
     def to_frames(self, batch: WanBatch) -> None:
         if batch.video is None:  # a rank that does not hold the output

@@ -35,6 +35,7 @@ class ExpertSwitch:
     device: torch.device
 
     def init_experts(self, components: dict[str, Any], *, log: bool, offload: bool | None = None) -> None:
+        """`offload`: the inactive expert in host memory (the engine's `offload_experts`); None: on with CUDA."""
         self.transformer_2 = components["transformer_2"].eval()
         self.experts = {"transformer": self.transformer, "transformer_2": self.transformer_2}
         self.residency = ExpertResidency(self.experts, self.device, offload=offload)
@@ -69,9 +70,11 @@ class Wan22T2VA14BPipeline(ExpertSwitch, StagedWanPipeline):
         *,
         show_progress: bool = True,
         parallel: ParallelContext | None = None,
+        offload: str = "none",
+        offload_experts: bool | None = None,
     ):
-        super().__init__(components, device, model, show_progress=show_progress, parallel=parallel)
-        self.init_experts(components, log=parallel is None or parallel.rank == 0)
+        super().__init__(components, device, model, show_progress=show_progress, parallel=parallel, offload=offload)
+        self.init_experts(components, log=parallel is None or parallel.rank == 0, offload=offload_experts)
 
     def __call__(self, request: GenerationRequest, control: StepControl | None = None) -> WanBatch:
         assert request.guidance_scale is not None
@@ -113,6 +116,8 @@ class Wan22I2VA14BPipeline(ExpertSwitch, WanI2VPipeline):
         *,
         show_progress: bool = True,
         parallel: ParallelContext | None = None,
+        offload: str = "none",
+        offload_experts: bool | None = None,
     ):
-        super().__init__(components, device, model, show_progress=show_progress, parallel=parallel)
-        self.init_experts(components, log=parallel is None or parallel.rank == 0)
+        super().__init__(components, device, model, show_progress=show_progress, parallel=parallel, offload=offload)
+        self.init_experts(components, log=parallel is None or parallel.rank == 0, offload=offload_experts)

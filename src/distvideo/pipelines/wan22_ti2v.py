@@ -67,7 +67,8 @@ class Wan22TI2VPipeline(StagedWanPipeline):
         """(1, C, 1, h, w): the given first frame through the Wan2.2 VAE, normalised."""
         assert req.height is not None and req.width is not None
         image = vae_image(pil_image(req.image), req.height, req.width, self.model.vae_scale_spatial).to(self.device)
-        return condition_latents(self.vae, image.unsqueeze(2), self._latents_mean, self._latents_std)
+        with self.offload.on_device("vae"):  # on the rank that computes it
+            return condition_latents(self.vae, image.unsqueeze(2), self._latents_mean, self._latents_std)
 
     def predict_noise(self, latents: torch.Tensor, t: torch.Tensor, batch: WanBatch) -> torch.Tensor:
         assert isinstance(batch, TokenTimestepBatch) and batch.mask is not None

@@ -53,10 +53,10 @@ class WanI2VPipeline(StagedWanPipeline):
         *,
         show_progress: bool = True,
         parallel: ParallelContext | None = None,
+        offload: str = "none",
+        offload_experts: bool | None = None,
     ):
-        super().__init__(components, device, model, show_progress=show_progress, parallel=parallel)
-        encoder = components.get("image_encoder")
-        self.image_encoder = encoder.to(device).eval() if encoder is not None else None
+        super().__init__(components, device, model, show_progress=show_progress, parallel=parallel, offload=offload)
         self.image_processor = components.get("image_processor")
 
     def __call__(self, request: GenerationRequest, control: StepControl | None = None) -> WanBatch:
@@ -85,7 +85,8 @@ class WanI2VPipeline(StagedWanPipeline):
             [batch.image_embeds] = self.computed_once(lambda: [self.clip_tokens(batch)])
 
     def clip_tokens(self, batch: ImageBatch) -> torch.Tensor:
-        tokens = clip_image_tokens(self.image_encoder, self.image_processor, batch.image, self.device)
+        with self.offload.on_device("image_encoder"):  # on the rank that computes it
+            tokens = clip_image_tokens(self.image_encoder, self.image_processor, batch.image, self.device)
         return tokens.to(self.transformer.dtype)
 
     @torch.no_grad()
@@ -97,9 +98,10 @@ class WanI2VPipeline(StagedWanPipeline):
         req = batch.request
         assert req.num_frames is not None and req.height is not None and req.width is not None
         image = vae_image(batch.image, req.height, req.width, self.model.vae_scale_spatial).to(self.device)
-        latents = condition_latents(
-            self.vae, first_frame_video(image, req.num_frames), self._latents_mean, self._latents_std
-        )
+        with self.offload.on_device("vae"):  # on the rank that computes it
+            latents = condition_latents(
+                self.vae, first_frame_video(image, req.num_frames), self._latents_mean, self._latents_std
+            )
         _, _, _, rows, cols = self.model.latent_shape(req)
         mask = first_frame_mask(req.num_frames, rows, cols, self.model.vae_scale_temporal).to(latents.device)
         return torch.concat([mask, latents], dim=1)
