@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from distvideo import ConfigError, VideoGenerator
+from distvideo.config import EngineConfig
 from distvideo.executors.base import RankFailure
 
 
@@ -70,3 +71,25 @@ def test_shutdown_is_idempotent(embedded_model):
     g.shutdown()
     with pytest.raises(RuntimeError, match="shut down"):
         g.generate("x")
+
+
+def test_from_pretrained_takes_any_engine_option_by_name(embedded_model):
+    with VideoGenerator.from_pretrained(
+        embedded_model, executor="inline", offload="text", compact_text_padding=False
+    ) as g:
+        assert g.engine.config.offload == "text" and g.engine.config.compact_text_padding is False
+    with pytest.raises(ConfigError, match="no_such_option: not an engine option"):
+        VideoGenerator.from_pretrained(embedded_model, executor="inline", no_such_option=1)
+
+
+def test_distvideo_model_is_the_default_model(embedded_model, monkeypatch, tmp_path):
+    from distvideo.executors.select import resolve_engine
+
+    copy = tmp_path / "copy"
+    import shutil
+
+    shutil.copytree(embedded_model, copy)
+    monkeypatch.setenv("DISTVIDEO_MODEL", str(copy))
+    assert resolve_engine(EngineConfig()).model.path == copy.resolve()
+    monkeypatch.delenv("DISTVIDEO_MODEL")
+    assert resolve_engine(EngineConfig()).model.path == embedded_model.resolve()

@@ -76,8 +76,8 @@ class EngineConfig:
     the environment's (distvideo.envs) for the switches, the launcher's or the machine's for the rest."""
 
     model: str | None = _option(
-        "diffusers-format checkpoint folder, or a Hugging Face repo id resolved through the hub cache (default: the "
-        "embedded tiny model)"
+        "diffusers-format checkpoint folder, or a Hugging Face repo id resolved through the hub cache (default: "
+        "DISTVIDEO_MODEL, else the embedded tiny model)"
     )
     num_gpus: int | None = _option("number of ranks (default 1, or the launcher's world size)")
     executor: str = _option("how ranks exist", "auto", choices=EXECUTORS)

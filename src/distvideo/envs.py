@@ -62,6 +62,12 @@ def _declare(name: str, parse: Callable[[str], Any], default: Any, doc: str, gro
 # --- distvideo's own settings -------------------------------------------------------------------
 _declare("DISTVIDEO_LOG_LEVEL", _str, "INFO", "Log level of the distvideo logger (DEBUG, INFO, WARNING, ERROR).")
 _declare(
+    "DISTVIDEO_MODEL",
+    _str,
+    None,
+    "Model (folder or Hugging Face repo id) used when none is given. Unset: the embedded tiny model.",
+)
+_declare(
     "DISTVIDEO_NUM_THREADS",
     _int,
     None,

@@ -3,6 +3,7 @@ on the output rank."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import weakref
@@ -57,7 +58,13 @@ class VideoGenerator:
         device: str | None = None,
         dtype: str | None = None,
         lora: list[LoraSpec] | None = None,
+        **options: Any,
     ) -> VideoGenerator:
+        """`options`: any other EngineConfig field by name (offload="model", compile=True, ...)."""
+        known = {f.name for f in dataclasses.fields(EngineConfig)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ConfigError(f"{', '.join(unknown)}: not an engine option; the options are {', '.join(sorted(known))}")
         config = EngineConfig(
             model=str(model) if model is not None else None,
             num_gpus=num_gpus,
@@ -69,6 +76,7 @@ class VideoGenerator:
             device=device,
             dtype=dtype,
             lora=list(lora or []),
+            **options,
         )
         return cls.from_config(config)
 

@@ -7,6 +7,7 @@ import dataclasses
 import logging
 from collections.abc import Mapping
 
+from distvideo import envs
 from distvideo.config import EngineConfig
 from distvideo.engine import ResolvedEngine
 from distvideo.errors import ConfigError
@@ -48,6 +49,8 @@ def resolve_engine(config: EngineConfig, environ: Mapping[str, str] | None = Non
     """Validate `config`, read the model's JSON files and weight-file headers, choose the executor and the layout.
     Reads no weights and starts no process; every mistake is a ConfigError (exit 2)."""
     config.validate()
+    if config.model is None and envs.get("DISTVIDEO_MODEL"):
+        config = dataclasses.replace(config, model=envs.get("DISTVIDEO_MODEL"))
     if config.model is None:
         config = dataclasses.replace(config, model=str(embedded_model_path()))
     else:  # a Hugging Face repo id becomes its snapshot folder in the hub cache (downloaded once per node if missing)

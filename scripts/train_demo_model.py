@@ -1,0 +1,426 @@
+#!/usr/bin/env python
+"""Train the demo model: a tiny Wan2.1-architecture text-to-video model that draws the shapes dataset's captions.
+
+Stages (each resumable; ``all`` runs them in order, skipping the finished ones):
+
+1. ``vae``: train a small ``AutoencoderKLWan`` (base_dim 12, z_dim 16) on 9-frame 32x32 crops around the shape of
+   clips of the shapes dataset (:mod:`distvideo.testing.shapes`) with L1 + MSE reconstruction (shape pixels weighted
+   5x) and a small KL term;
+2. ``latents``: encode a fixed set of 17-frame clips to VAE latents (posterior means), measure the per-channel latent
+   mean and std (written to the VAE config as ``latents_mean``/``latents_std``, as Wan's VAE carries them), and encode
+   every caption (and the empty negative prompt) with the fixed random UMT5 through diffusers' ``WanPipeline.encode_prompt``;
+3. ``transformer``: train a small ``WanTransformer3DModel`` with Wan's flow-matching objective (x_t = (1 - s) x0 +
+   s eps, target eps - x0, s drawn uniformly and shifted by the scheduler's shift 3) with 10% of captions dropped to
+   the empty prompt for classifier-free guidance, AdamW, and an EMA of the weights;
+4. ``export``: write a diffusers-format ``WanPipeline`` folder (the EMA transformer in float32, the VAE in float16) with its
+   ``distvideo_defaults.json``, into ``--out`` (default: the package's embedded-model folder).
+
+Everything is seeded; losses go to ``WORK/log.jsonl`` and the console. Example (the command the shipped model was
+trained with is in docs/demo-model.md)::
+
+    python scripts/train_demo_model.py --work /tmp/demo-train all
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+
+import numpy as np
+import torch
+
+from distvideo.testing import shapes
+from distvideo.testing.checkpoints import build_tiny_wan
+
+#: The demo model's architecture (keyword arguments of build_tiny_wan): a 128-wide transformer (4 heads x 32,
+#: 4 layers) and a VAE of base width 12 (stored in float16).
+DEMO_MODEL_CONFIG: dict[str, Any] = {
+    "num_layers": 4,
+    "num_attention_heads": 4,
+    "attention_head_dim": 32,
+    "ffn_dim": 512,
+    "text_dim": 64,
+    "vae_base_dim": 12,
+    "z_dim": 16,
+    "scheduler": "unipc",
+    "seed": 5,
+    "dtype": torch.float32,
+    "vae_dtype": torch.float16,
+    "vocab_size": 512,
+    "text_num_heads": 2,
+    "text_d_kv": 16,
+    "text_d_ff": 128,
+    "defaults": {"num_frames": 17, "height": 64, "width": 64, "num_inference_steps": 20, "guidance_scale": 5.0},
+}
+SEED = 20261201
+VAE_DATA_SEED = 1
+LATENT_DATA_SEED = 2
+SHIFT = 3.0  # the scheduler's flow shift
+CFG_DROPOUT = 0.1
+MAX_TEXT_TOKENS = 512  # the engine's (and WanPipeline's) max_sequence_length
+
+
+def log(work: Path, **record: Any) -> None:
+    record["time"] = round(time.time(), 1)
+    with open(work / "log.jsonl", "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+    print(json.dumps(record), flush=True)
+
+
+def to_tensor(frames: np.ndarray) -> torch.Tensor:
+    """uint8 (T, H, W, 3) -> float (3, T, H, W) in [-1, 1]."""
+    return torch.from_numpy(frames).permute(3, 0, 1, 2).float().div(127.5).sub(1.0)
+
+
+def skeleton(work: Path) -> Path:
+    """A random-weight folder of the demo architecture: the components' configs, tokenizer and fixed text encoder."""
+    path = work / "skeleton"
+    if not (path / "model_index.json").is_file():
+        build_tiny_wan(path, **DEMO_MODEL_CONFIG)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+VAE_FRAMES = 9  # 1 + 4 + 4: three latent frames, so the decoder's cache between chunks is trained too
+VAE_CROP = 32  # the VAE is convolutional: it trains on crops around the shape (4x cheaper than whole 64 px frames)
+FOREGROUND_WEIGHT = 5.0  # the shape is a small part of a frame: its pixels count this much more than background ones
+
+
+def vae_batch(step: int, batch: int, num_frames: int = VAE_FRAMES) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of ``num_frames``-frame crops that contain the moving shape, and the per-pixel loss weights."""
+    clips, weights = [], []
+    for i in range(batch):
+        index = step * batch + i
+        caption, frames = shapes.sample_clip(VAE_DATA_SEED, index, num_frames=num_frames)
+        rng = np.random.default_rng([VAE_DATA_SEED, index, 1])
+        background = np.asarray(shapes.BACKGROUNDS[caption.background])
+        foreground = np.abs(frames.astype(np.int16) - background).max(axis=-1) > 8  # (T, H, W)
+        ys, xs = np.nonzero(foreground[int(rng.integers(num_frames))])
+        size = frames.shape[1]
+        cy = (ys.mean() if len(ys) else size / 2) + rng.uniform(-10, 10)
+        cx = (xs.mean() if len(xs) else size / 2) + rng.uniform(-10, 10)
+        top = int(np.clip(round(cy - VAE_CROP / 2), 0, size - VAE_CROP))
+        left = int(np.clip(round(cx - VAE_CROP / 2), 0, size - VAE_CROP))
+        crop = (slice(None), slice(top, top + VAE_CROP), slice(left, left + VAE_CROP))
+        clips.append(to_tensor(frames[crop]))
+        weights.append(torch.from_numpy(1.0 + (FOREGROUND_WEIGHT - 1.0) * foreground[crop].astype(np.float32)))
+    return torch.stack(clips), torch.stack(weights)[:, None]
+
+
+def train_vae(work: Path, steps: int, batch: int, lr: float) -> None:
+    from diffusers import AutoencoderKLWan
+
+    out = work / "vae"
+    if (out / "config.json").is_file():
+        print("vae: done already")
+        return
+    vae = AutoencoderKLWan.from_pretrained(skeleton(work) / "vae", torch_dtype=torch.float32).train()
+    ckpt = work / "vae_ckpt.pt"
+    opt = torch.optim.AdamW(vae.parameters(), lr=lr, weight_decay=0.0)
+    start = 0
+    if ckpt.is_file():
+        state = torch.load(ckpt, weights_only=True)
+        vae.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        start = int(state["step"]) + 1
+    gen = torch.Generator().manual_seed(SEED)
+    t0 = time.time()
+    for step in range(start, steps):
+        for group in opt.param_groups:  # cosine decay after a short warm-up
+            warm = min(1.0, (step + 1) / 50)
+            group["lr"] = lr * warm * 0.5 * (1 + math.cos(math.pi * step / steps))
+        x, weight = vae_batch(step, batch)
+        post = vae.encode(x).latent_dist
+        z = post.mean + post.std * torch.randn(post.mean.shape, generator=gen)
+        rec = vae.decode(z).sample
+        l1 = ((rec - x).abs() * weight).mean()
+        mse = ((rec - x).pow(2) * weight).mean()
+        kl = post.kl().mean() / z[0].numel()
+        loss = l1 + mse + 1e-4 * kl
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+        opt.step()
+        if step % 25 == 0 or step == steps - 1:
+            log(
+                work,
+                stage="vae",
+                step=step,
+                l1=round(l1.item(), 5),
+                mse=round(mse.item(), 6),
+                kl=round(kl.item(), 4),
+                s_per_step=round((time.time() - t0) / (step - start + 1), 3),
+            )
+        if step % 200 == 199:
+            torch.save({"model": vae.state_dict(), "opt": opt.state_dict(), "step": step}, ckpt)
+    vae.eval().save_pretrained(out, safe_serialization=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+DECODER_FRAMES = 17  # the whole clip: the decoder learns the later chunks too
+
+
+def train_decoder(work: Path, steps: int, batch: int, lr: float) -> None:
+    """Go on training the decoder alone, on whole-length clips, with the encoder frozen: the latents the transformer
+    trains on stay valid, so this stage runs beside ``transformer``."""
+    from diffusers import AutoencoderKLWan
+
+    out = work / "vae_final"
+    if (out / "config.json").is_file():
+        print("decoder: done already")
+        return
+    vae = AutoencoderKLWan.from_pretrained(work / "vae", torch_dtype=torch.float32)
+    vae.requires_grad_(False).eval()
+    trained = [vae.decoder, vae.post_quant_conv]
+    params = [p for m in trained for p in m.parameters()]
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    ckpt = work / "decoder_ckpt.pt"
+    start = 0
+    if ckpt.is_file():
+        state = torch.load(ckpt, weights_only=True)
+        vae.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        start = int(state["step"]) + 1
+    gen = torch.Generator().manual_seed(SEED + 2)
+    t0 = time.time()
+    for step in range(start, steps):
+        for group in opt.param_groups:
+            group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / steps))
+        x, weight = vae_batch(100_000 + step, batch, num_frames=DECODER_FRAMES)
+        with torch.no_grad():
+            post = vae.encode(x).latent_dist
+            z = post.mean + post.std * torch.randn(post.mean.shape, generator=gen)
+        rec = vae.decode(z).sample
+        l1 = ((rec - x).abs() * weight).mean()
+        mse = ((rec - x).pow(2) * weight).mean()
+        loss = l1 + mse
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        if step % 25 == 0 or step == steps - 1:
+            log(
+                work,
+                stage="decoder",
+                step=step,
+                l1=round(l1.item(), 5),
+                mse=round(mse.item(), 6),
+                s_per_step=round((time.time() - t0) / (step - start + 1), 3),
+            )
+        if step % 100 == 99:
+            torch.save({"model": vae.state_dict(), "opt": opt.state_dict(), "step": step}, ckpt)
+        if (work / "STOP_DECODER").exists():  # the transformer finished first: stop at this step
+            break
+    vae.eval().save_pretrained(out, safe_serialization=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def encode_latents(work: Path, count: int) -> None:
+    from diffusers import AutoencoderKLWan, WanPipeline
+
+    out = work / "latents.pt"
+    if out.is_file():
+        print("latents: done already")
+        return
+    vae = AutoencoderKLWan.from_pretrained(work / "vae", torch_dtype=torch.float32).eval()
+    lat, ids, l1 = [], [], []
+    captions = [c.text for c in shapes.all_captions()]
+    index = {c: i for i, c in enumerate(captions)}
+    t0 = time.time()
+    for i in range(count):
+        caption, frames = shapes.sample_clip(LATENT_DATA_SEED, i)
+        x = to_tensor(frames)[None]
+        mean = vae.encode(x).latent_dist.mean
+        if i % 100 == 0:
+            rec = vae.decode(mean).sample.clamp(-1, 1)
+            l1.append((rec - x).abs().mean().item())
+            log(work, stage="latents", item=i, recon_l1=round(l1[-1], 5), s=round(time.time() - t0, 1))
+        lat.append(mean[0])
+        ids.append(index[caption.text])
+    latents = torch.stack(lat)
+    ch_mean = latents.mean(dim=(0, 2, 3, 4))
+    ch_std = latents.std(dim=(0, 2, 3, 4))
+    # the text side: the same embeddings the engine computes (diffusers' own encode_prompt, 512 tokens, zero padded)
+    pipe = WanPipeline.from_pretrained(skeleton(work), vae=vae, torch_dtype=torch.float32)
+    embeds = torch.cat(
+        [
+            pipe.encode_prompt(c, do_classifier_free_guidance=False, max_sequence_length=MAX_TEXT_TOKENS)[0]
+            for c in [*captions, ""]
+        ]
+    )
+    torch.save(
+        {
+            "latents": latents,
+            "ids": torch.tensor(ids),
+            "mean": ch_mean,
+            "std": ch_std,
+            "embeds": embeds,
+            "captions": captions,
+        },
+        out,
+    )
+    log(
+        work,
+        stage="latents",
+        count=count,
+        recon_l1_mean=round(float(np.mean(l1)), 5),
+        latents_mean=[round(v, 4) for v in ch_mean.tolist()],
+        latents_std=[round(v, 4) for v in ch_std.tolist()],
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+def train_transformer(work: Path, steps: int, batch: int, lr: float, minutes: float | None = None) -> None:
+    """``minutes``: a time budget; the learning rate follows whichever of steps and time is further along, and the
+    stage ends when either runs out."""
+    from diffusers import WanTransformer3DModel
+
+    from distvideo.models.text_padding import TextPaddingPlan
+
+    out = work / "transformer"
+    if (out / "config.json").is_file():
+        print("transformer: done already")
+        return
+    data = torch.load(work / "latents.pt", weights_only=False)
+    mean = data["mean"].view(1, -1, 1, 1, 1)
+    std = data["std"].view(1, -1, 1, 1, 1)
+    x0_all = (data["latents"] - mean) / std
+    ids_all, embeds = data["ids"], data["embeds"]
+    # the engine pads the text to 512 tokens (zeros), and the count of padding keys matters in cross-attention
+    embeds = torch.nn.functional.pad(embeds, (0, 0, 0, MAX_TEXT_TOKENS - embeds.shape[1]))
+    empty = embeds.shape[0] - 1
+    model = WanTransformer3DModel.from_pretrained(skeleton(work) / "transformer", torch_dtype=torch.float32).train()
+    ema = copy.deepcopy(model).eval().requires_grad_(False)
+    # exact: the zero padding rows of the text are one key counted r times (the engine's own plan, see text_padding)
+    TextPaddingPlan().apply(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.99))
+    ckpt = work / "transformer_ckpt.pt"
+    start = 0
+    if ckpt.is_file():
+        state = torch.load(ckpt, weights_only=True)
+        model.load_state_dict(state["model"])
+        ema.load_state_dict(state["ema"])
+        opt.load_state_dict(state["opt"])
+        start = int(state["step"]) + 1
+    gen = torch.Generator().manual_seed(SEED + 1)
+    t0 = time.time()
+    running = None
+    for step in range(start, steps):
+        progress = step / steps
+        if minutes is not None:
+            progress = max(progress, (time.time() - t0) / (60 * minutes))
+            if progress >= 1.0:
+                break
+        for group in opt.param_groups:
+            warm = min(1.0, (step + 1) / 200)
+            group["lr"] = lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+        pick = torch.randint(len(x0_all), (batch,), generator=gen)
+        x0 = x0_all[pick]
+        text = ids_all[pick].clone()
+        text[torch.rand(batch, generator=gen) < CFG_DROPOUT] = empty
+        u = torch.rand(batch, generator=gen)
+        sigma = SHIFT * u / (1 + (SHIFT - 1) * u)
+        noise = torch.randn(x0.shape, generator=gen)
+        s = sigma.view(-1, 1, 1, 1, 1)
+        xt = (1 - s) * x0 + s * noise
+        pred = model(hidden_states=xt, timestep=sigma * 1000, encoder_hidden_states=embeds[text], return_dict=False)[0]
+        loss = (pred - (noise - x0)).pow(2).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        decay = min(0.999, (1 + step) / (10 + step))
+        with torch.no_grad():
+            for pe, pm in zip(ema.parameters(), model.parameters(), strict=False):
+                pe.lerp_(pm, 1 - decay)
+        running = loss.item() if running is None else 0.98 * running + 0.02 * loss.item()
+        if step % 50 == 0 or step == steps - 1:
+            log(
+                work,
+                stage="transformer",
+                step=step,
+                loss=round(loss.item(), 5),
+                loss_avg=round(running, 5),
+                s_per_step=round((time.time() - t0) / (step - start + 1), 3),
+            )
+        if step % 250 == 249:
+            torch.save(
+                {"model": model.state_dict(), "ema": ema.state_dict(), "opt": opt.state_dict(), "step": step}, ckpt
+            )
+    ema.save_pretrained(out, safe_serialization=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+def export(work: Path, out: Path) -> None:
+    import shutil
+
+    from diffusers import AutoencoderKLWan, WanTransformer3DModel
+
+    data = torch.load(work / "latents.pt", weights_only=False)
+    folder = build_tiny_wan(out, **DEMO_MODEL_CONFIG)  # tokenizer, text encoder, scheduler, defaults, model_index
+    final = work / "vae_final" if (work / "vae_final" / "config.json").is_file() else work / "vae"
+    vae = AutoencoderKLWan.from_pretrained(final, torch_dtype=torch.float32)
+    vae.register_to_config(
+        latents_mean=[round(v, 6) for v in data["mean"].tolist()],
+        latents_std=[round(v, 6) for v in data["std"].tolist()],
+    )
+    shutil.rmtree(folder / "vae")
+    torch.nn.Module.to(vae, torch.float16).save_pretrained(folder / "vae", safe_serialization=True)
+    transformer = WanTransformer3DModel.from_pretrained(work / "transformer", torch_dtype=torch.float32)
+    shutil.rmtree(folder / "transformer")
+    transformer.save_pretrained(folder / "transformer", safe_serialization=True)  # float32, as trained
+    total = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    log(work, stage="export", out=str(folder), total_bytes=total)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("stage", choices=["vae", "latents", "transformer", "decoder", "export", "all"])
+    parser.add_argument("--work", type=Path, required=True, help="working folder (checkpoints, latents, log.jsonl)")
+    parser.add_argument("--out", type=Path, default=None, help="exported model folder (default: WORK/model)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--vae-steps", type=int, default=1500)
+    parser.add_argument("--vae-batch", type=int, default=4)
+    parser.add_argument("--vae-lr", type=float, default=1e-3)
+    parser.add_argument("--decoder-steps", type=int, default=1500)
+    parser.add_argument("--decoder-batch", type=int, default=2)
+    parser.add_argument("--decoder-lr", type=float, default=5e-4)
+    parser.add_argument("--clips", type=int, default=3000, help="17-frame clips encoded for the transformer stage")
+    parser.add_argument("--dit-steps", type=int, default=6000)
+    parser.add_argument("--dit-batch", type=int, default=32)
+    parser.add_argument("--dit-lr", type=float, default=5e-4)
+    parser.add_argument("--dit-minutes", type=float, default=None, help="time budget of the transformer stage")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(SEED)
+    args.work.mkdir(parents=True, exist_ok=True)
+    stages = ["vae", "latents", "transformer", "export"] if args.stage == "all" else [args.stage]
+    for stage in stages:
+        if stage == "vae":
+            train_vae(args.work, args.vae_steps, args.vae_batch, args.vae_lr)
+        elif stage == "latents":
+            encode_latents(args.work, args.clips)
+        elif stage == "decoder":
+            train_decoder(args.work, args.decoder_steps, args.decoder_batch, args.decoder_lr)
+        elif stage == "transformer":
+            train_transformer(args.work, args.dit_steps, args.dit_batch, args.dit_lr, args.dit_minutes)
+        else:
+            export(args.work, args.out or args.work / "model")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
