@@ -1,8 +1,12 @@
 """distvideo: run video diffusion transformers on one or many devices, under torchrun, srun, mpirun
 or its own worker processes."""
 
-from distvideo.config import EngineConfig, GenerationRequest
-from distvideo.errors import (
+from distvideo import envs
+
+envs.reproducible_cpu_math()  # before anything computes: MKL reads its mode once (envs.MKL_REPRODUCIBLE)
+
+from distvideo.config import EngineConfig, GenerationRequest  # noqa: E402 (after the MKL mode)
+from distvideo.errors import (  # noqa: E402
     ConfigError,
     DivergentCallError,
     GenerationCancelled,
@@ -15,7 +19,7 @@ from distvideo.errors import (
     VideoWriteError,
     WorkerDiedError,
 )
-from distvideo.generator import GenerationResult, VideoGenerator
+from distvideo.generator import GenerationResult, VideoGenerator  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = [

@@ -169,6 +169,28 @@ _declare(
 _declare(
     "CUDA_VISIBLE_DEVICES", _str, None, "GPUs visible to this process (reported in errors about devices).", "other"
 )
+_declare(
+    "MKL_CBWR",
+    _str,
+    None,
+    "Intel MKL's numerical reproducibility mode; distvideo sets AUTO,STRICT when unset (importing distvideo), so CPU "
+    "matrix products give the same bits whatever the thread count (docs/determinism.md).",
+    "other",
+)
+
+#: MKL_CBWR when the user has not chosen a mode: MKL's own code path for the CPU (AUTO) with strict reproducibility,
+#: which makes its matrix products independent of the number of threads. Without it, a small product (a few rows,
+#: such as the compacted text of a short prompt) rounds differently with 1 thread than with 2, so one request gave
+#: different frames under 2 replicas of 1 thread each than inline with 2 threads (measured: 1 on a uint8 value).
+MKL_REPRODUCIBLE = "AUTO,STRICT"
+
+
+def reproducible_cpu_math() -> None:
+    """Set MKL_CBWR to :data:`MKL_REPRODUCIBLE` unless the user set it. MKL reads it at its first call, so this runs
+    when distvideo is imported (every rank and worker imports it before it computes anything); a process that already
+    ran an MKL product keeps the mode it started with. Spawned workers inherit it."""
+    if not os.environ.get("MKL_CBWR"):
+        os.environ["MKL_CBWR"] = MKL_REPRODUCIBLE
 
 
 def _lookup(name: str) -> EnvVar:
@@ -217,7 +239,7 @@ def snapshot(names: Iterable[str] | None = None) -> dict[str, str]:
 def set_external(values: Mapping[str, str | int]) -> None:
     """Write normalised values (e.g. RANK, WORLD_SIZE from an MPI launch) into this process's environment.
 
-    The only place distvideo writes environment variables; used so torch.distributed's env://
+    With :func:`reproducible_cpu_math`, the only place distvideo writes environment variables; used so torch.distributed's env://
     rendezvous and any library reading torchrun's names see the resolved values.
     """
     for name, value in values.items():
