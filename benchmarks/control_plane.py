@@ -107,11 +107,11 @@ def external_rank(args: argparse.Namespace) -> None:
 def resolve_model(model: str | None, scratch: Path) -> str:
     if model:
         return model
-    from distvideo.models.embedded import embedded_model_path
+    from distvideo.models.embedded import tiny_model_path
     from distvideo.testing.checkpoints import build_embedded_model
 
     try:
-        return str(embedded_model_path())
+        return str(tiny_model_path())
     except FileNotFoundError:
         return str(build_embedded_model(scratch / "tiny-wan"))
 

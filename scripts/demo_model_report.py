@@ -67,11 +67,12 @@ def contact_sheet(rows: list[tuple[str, np.ndarray]], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, help="the trained demo model's folder")
+    parser.add_argument("--model", default=None, help="model folder (default: the embedded demo model)")
     parser.add_argument("--captions", type=int, default=None, help="how many captions, picked at random (default all)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the caption pick and of every request")
     parser.add_argument("--sheet", type=Path, default=None, help="write the contact sheet PNG here")
     parser.add_argument("--json", type=Path, default=None, help="write every result here")
+    parser.add_argument("--frames", type=Path, default=None, help="save each video's frames here as NNN.npy")
     parser.add_argument("--caption", action="append", default=[], help="check this caption (repeatable)")
     parser.add_argument("--executor", default="inline", help="inline, mp or external (under a launcher)")
     parser.add_argument("--num-gpus", type=int, default=None)
@@ -87,12 +88,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     results, seconds = [], []
     with gen:
-        for caption in captions:
+        for i, caption in enumerate(captions):
             start = time.perf_counter()
             frames = gen.generate(caption.text, seed=args.seed, save_video=False).frames
             seconds.append(time.perf_counter() - start)
             if frames is None:  # not the output rank (under a launcher): rank 0 reports
                 continue
+            if args.frames is not None:
+                np.save(args.frames / f"{i:03d}.npy", frames)
             result = check_video(frames, caption)
             results.append(result)
             if not result.ok:

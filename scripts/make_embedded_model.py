@@ -20,7 +20,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Always the repository's own package, so the shipped copy under src/ is the one regenerated (not an installed one).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
-from distvideo.models.embedded import EMBEDDED_MODEL_DIR
+from distvideo.models.embedded import TINY_MODEL_DIR
 from distvideo.testing.checkpoints import build_embedded_model
 
 SIZE_LIMIT = 1_000_000
@@ -29,7 +29,7 @@ SIZE_LIMIT = 1_000_000
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--out", type=Path, default=EMBEDDED_MODEL_DIR, help=f"output folder (default {EMBEDDED_MODEL_DIR})"
+        "--out", type=Path, default=TINY_MODEL_DIR, help=f"output folder (default {TINY_MODEL_DIR})"
     )
     args = parser.parse_args(argv)
 

@@ -68,6 +68,7 @@ LATENT_DATA_SEED = 2
 SHIFT = 3.0  # the scheduler's flow shift
 CFG_DROPOUT = 0.1
 MAX_TEXT_TOKENS = 512  # the engine's (and WanPipeline's) max_sequence_length
+LATENT_BATCH = 8  # clips encoded at once in the latents stage
 
 
 def log(work: Path, **record: Any) -> None:
@@ -117,7 +118,7 @@ def vae_batch(step: int, batch: int, num_frames: int = VAE_FRAMES) -> tuple[torc
     return torch.stack(clips), torch.stack(weights)[:, None]
 
 
-def train_vae(work: Path, steps: int, batch: int, lr: float) -> None:
+def train_vae(work: Path, steps: int, batch: int, lr: float, num_frames: int = VAE_FRAMES) -> None:
     from diffusers import AutoencoderKLWan
 
     out = work / "vae"
@@ -139,7 +140,7 @@ def train_vae(work: Path, steps: int, batch: int, lr: float) -> None:
         for group in opt.param_groups:  # cosine decay after a short warm-up
             warm = min(1.0, (step + 1) / 50)
             group["lr"] = lr * warm * 0.5 * (1 + math.cos(math.pi * step / steps))
-        x, weight = vae_batch(step, batch)
+        x, weight = vae_batch(step, batch, num_frames)
         post = vae.encode(x).latent_dist
         z = post.mean + post.std * torch.randn(post.mean.shape, generator=gen)
         rec = vae.decode(z).sample
@@ -163,6 +164,8 @@ def train_vae(work: Path, steps: int, batch: int, lr: float) -> None:
             )
         if step % 200 == 199:
             torch.save({"model": vae.state_dict(), "opt": opt.state_dict(), "step": step}, ckpt)
+        if (work / "STOP_VAE").exists():  # freeze the encoder here: the decoder stage goes on alone
+            break
     vae.eval().save_pretrained(out, safe_serialization=True)
 
 
@@ -193,15 +196,13 @@ def train_decoder(work: Path, steps: int, batch: int, lr: float) -> None:
         vae.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         start = int(state["step"]) + 1
-    gen = torch.Generator().manual_seed(SEED + 2)
     t0 = time.time()
     for step in range(start, steps):
         for group in opt.param_groups:
             group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / steps))
         x, weight = vae_batch(100_000 + step, batch, num_frames=DECODER_FRAMES)
-        with torch.no_grad():
-            post = vae.encode(x).latent_dist
-            z = post.mean + post.std * torch.randn(post.mean.shape, generator=gen)
+        with torch.no_grad():  # the posterior means: what the transformer learned to produce
+            z = vae.encode(x).latent_dist.mean
         rec = vae.decode(z).sample
         l1 = ((rec - x).abs() * weight).mean()
         mse = ((rec - x).pow(2) * weight).mean()
@@ -229,7 +230,7 @@ def train_decoder(work: Path, steps: int, batch: int, lr: float) -> None:
 # ---------------------------------------------------------------------------------------------------------------------
 @torch.no_grad()
 def encode_latents(work: Path, count: int) -> None:
-    from diffusers import AutoencoderKLWan, WanPipeline
+    from diffusers import AutoencoderKLWan
 
     out = work / "latents.pt"
     if out.is_file():
@@ -240,34 +241,25 @@ def encode_latents(work: Path, count: int) -> None:
     captions = [c.text for c in shapes.all_captions()]
     index = {c: i for i, c in enumerate(captions)}
     t0 = time.time()
-    for i in range(count):
-        caption, frames = shapes.sample_clip(LATENT_DATA_SEED, i)
-        x = to_tensor(frames)[None]
+    for first in range(0, count, LATENT_BATCH):
+        clips = [shapes.sample_clip(LATENT_DATA_SEED, i) for i in range(first, min(first + LATENT_BATCH, count))]
+        x = torch.stack([to_tensor(frames) for _, frames in clips])
         mean = vae.encode(x).latent_dist.mean
-        if i % 100 == 0:
-            rec = vae.decode(mean).sample.clamp(-1, 1)
-            l1.append((rec - x).abs().mean().item())
-            log(work, stage="latents", item=i, recon_l1=round(l1[-1], 5), s=round(time.time() - t0, 1))
-        lat.append(mean[0])
-        ids.append(index[caption.text])
+        if first % 200 == 0:
+            rec = vae.decode(mean[:1]).sample.clamp(-1, 1)
+            l1.append((rec - x[:1]).abs().mean().item())
+            log(work, stage="latents", item=first, recon_l1=round(l1[-1], 5), s=round(time.time() - t0, 1))
+        lat.extend(mean)
+        ids.extend(index[caption.text] for caption, _ in clips)
     latents = torch.stack(lat)
     ch_mean = latents.mean(dim=(0, 2, 3, 4))
     ch_std = latents.std(dim=(0, 2, 3, 4))
-    # the text side: the same embeddings the engine computes (diffusers' own encode_prompt, 512 tokens, zero padded)
-    pipe = WanPipeline.from_pretrained(skeleton(work), vae=vae, torch_dtype=torch.float32)
-    embeds = torch.cat(
-        [
-            pipe.encode_prompt(c, do_classifier_free_guidance=False, max_sequence_length=MAX_TEXT_TOKENS)[0]
-            for c in [*captions, ""]
-        ]
-    )
     torch.save(
         {
             "latents": latents,
             "ids": torch.tensor(ids),
             "mean": ch_mean,
             "std": ch_std,
-            "embeds": embeds,
             "captions": captions,
         },
         out,
@@ -283,9 +275,34 @@ def encode_latents(work: Path, count: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+class TextSide(torch.nn.Module):
+    """The text encoder trained with the transformer, encoding exactly as ``WanPipeline.encode_prompt`` does: the
+    UMT5 over the real tokens (attention mask), its output cut to each prompt's length and zero padded to 512 rows.
+    (A fixed random encoder spread a colour word over sub-word tokens that a random network mixes with the rest of
+    the caption: the transformer learned position and motion but not colour.)"""
+
+    def __init__(self, skeleton_path: Path, captions: list[str]):
+        super().__init__()
+        from transformers import AutoTokenizer, UMT5EncoderModel
+
+        self.encoder = UMT5EncoderModel.from_pretrained(skeleton_path / "text_encoder", torch_dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(skeleton_path / "tokenizer")
+        tokens = tokenizer(captions, padding="longest", add_special_tokens=True, return_tensors="pt")
+        self.register_buffer("ids", tokens.input_ids, persistent=False)
+        self.register_buffer("mask", tokens.attention_mask, persistent=False)
+
+    def forward(self, which: torch.Tensor) -> torch.Tensor:
+        """Embeddings (len(which), 512, d) of the captions at indices ``which``, computed once per distinct one."""
+        unique, inverse = torch.unique(which, return_inverse=True)
+        mask = self.mask[unique]
+        hidden = self.encoder(self.ids[unique], mask).last_hidden_state * mask[..., None]
+        hidden = torch.nn.functional.pad(hidden, (0, 0, 0, MAX_TEXT_TOKENS - hidden.shape[1]))
+        return hidden[inverse]
+
+
 def train_transformer(work: Path, steps: int, batch: int, lr: float, minutes: float | None = None) -> None:
     """``minutes``: a time budget; the learning rate follows whichever of steps and time is further along, and the
-    stage ends when either runs out."""
+    stage ends when either runs out. The text encoder trains with the transformer (same optimiser and EMA)."""
     from diffusers import WanTransformer3DModel
 
     from distvideo.models.text_padding import TextPaddingPlan
@@ -298,14 +315,14 @@ def train_transformer(work: Path, steps: int, batch: int, lr: float, minutes: fl
     mean = data["mean"].view(1, -1, 1, 1, 1)
     std = data["std"].view(1, -1, 1, 1, 1)
     x0_all = (data["latents"] - mean) / std
-    ids_all, embeds = data["ids"], data["embeds"]
-    # the engine pads the text to 512 tokens (zeros), and the count of padding keys matters in cross-attention
-    embeds = torch.nn.functional.pad(embeds, (0, 0, 0, MAX_TEXT_TOKENS - embeds.shape[1]))
-    empty = embeds.shape[0] - 1
-    model = WanTransformer3DModel.from_pretrained(skeleton(work) / "transformer", torch_dtype=torch.float32).train()
+    ids_all = data["ids"]
+    captions = [*data["captions"], ""]
+    empty = len(captions) - 1
+    transformer = WanTransformer3DModel.from_pretrained(skeleton(work) / "transformer", torch_dtype=torch.float32)
+    model = torch.nn.ModuleDict({"transformer": transformer, "text": TextSide(skeleton(work), captions)}).train()
     ema = copy.deepcopy(model).eval().requires_grad_(False)
     # exact: the zero padding rows of the text are one key counted r times (the engine's own plan, see text_padding)
-    TextPaddingPlan().apply(model)
+    TextPaddingPlan().apply(transformer)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.99))
     ckpt = work / "transformer_ckpt.pt"
     start = 0
@@ -336,7 +353,8 @@ def train_transformer(work: Path, steps: int, batch: int, lr: float, minutes: fl
         noise = torch.randn(x0.shape, generator=gen)
         s = sigma.view(-1, 1, 1, 1, 1)
         xt = (1 - s) * x0 + s * noise
-        pred = model(hidden_states=xt, timestep=sigma * 1000, encoder_hidden_states=embeds[text], return_dict=False)[0]
+        embeds = model["text"](text)
+        pred = transformer(hidden_states=xt, timestep=sigma * 1000, encoder_hidden_states=embeds, return_dict=False)[0]
         loss = (pred - (noise - x0)).pow(2).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -344,7 +362,7 @@ def train_transformer(work: Path, steps: int, batch: int, lr: float, minutes: fl
         opt.step()
         decay = min(0.999, (1 + step) / (10 + step))
         with torch.no_grad():
-            for pe, pm in zip(ema.parameters(), model.parameters(), strict=False):
+            for pe, pm in zip(ema.parameters(), model.parameters(), strict=True):
                 pe.lerp_(pm, 1 - decay)
         running = loss.item() if running is None else 0.98 * running + 0.02 * loss.item()
         if step % 50 == 0 or step == steps - 1:
@@ -360,28 +378,48 @@ def train_transformer(work: Path, steps: int, batch: int, lr: float, minutes: fl
             torch.save(
                 {"model": model.state_dict(), "ema": ema.state_dict(), "opt": opt.state_dict(), "step": step}, ckpt
             )
-    ema.save_pretrained(out, safe_serialization=True)
+        if (work / "STOP_TRANSFORMER").exists():  # stop at this step (the EMA is saved as it is)
+            break
+    ema["transformer"].save_pretrained(out, safe_serialization=True)
+    ema["text"].encoder.save_pretrained(work / "text_encoder", safe_serialization=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-def export(work: Path, out: Path) -> None:
+def export(work: Path, out: Path, from_checkpoints: bool = False) -> None:
+    """Write the model folder. ``from_checkpoints``: take the transformer, the text encoder and the decoder from the
+    latest checkpoints of stages still running (an interim look at the model; the finished stages' folders win)."""
     import shutil
 
     from diffusers import AutoencoderKLWan, WanTransformer3DModel
+    from transformers import UMT5EncoderModel
 
     data = torch.load(work / "latents.pt", weights_only=False)
     folder = build_tiny_wan(out, **DEMO_MODEL_CONFIG)  # tokenizer, text encoder, scheduler, defaults, model_index
     final = work / "vae_final" if (work / "vae_final" / "config.json").is_file() else work / "vae"
     vae = AutoencoderKLWan.from_pretrained(final, torch_dtype=torch.float32)
+    if from_checkpoints and final.name == "vae" and (work / "decoder_ckpt.pt").is_file():
+        vae.load_state_dict(torch.load(work / "decoder_ckpt.pt", weights_only=True)["model"])
     vae.register_to_config(
         latents_mean=[round(v, 6) for v in data["mean"].tolist()],
         latents_std=[round(v, 6) for v in data["std"].tolist()],
     )
     shutil.rmtree(folder / "vae")
     torch.nn.Module.to(vae, torch.float16).save_pretrained(folder / "vae", safe_serialization=True)
-    transformer = WanTransformer3DModel.from_pretrained(work / "transformer", torch_dtype=torch.float32)
-    shutil.rmtree(folder / "transformer")
-    transformer.save_pretrained(folder / "transformer", safe_serialization=True)  # float32, as trained
+    if (work / "transformer" / "config.json").is_file():
+        transformer = WanTransformer3DModel.from_pretrained(work / "transformer", torch_dtype=torch.float32)
+        text_encoder = UMT5EncoderModel.from_pretrained(work / "text_encoder", torch_dtype=torch.float32)
+    elif from_checkpoints:
+        ema = torch.load(work / "transformer_ckpt.pt", weights_only=True)["ema"]
+        transformer = WanTransformer3DModel.from_pretrained(folder / "transformer", torch_dtype=torch.float32)
+        transformer.load_state_dict({k.split(".", 1)[1]: v for k, v in ema.items() if k.startswith("transformer.")})
+        text_encoder = UMT5EncoderModel.from_pretrained(folder / "text_encoder", torch_dtype=torch.float32)
+        prefix = "text.encoder."
+        text_encoder.load_state_dict({k[len(prefix) :]: v for k, v in ema.items() if k.startswith(prefix)})
+    else:
+        raise SystemExit(f"no trained transformer in {work}: run the transformer stage (or export --from-checkpoints)")
+    for name, module in (("transformer", transformer), ("text_encoder", text_encoder)):
+        shutil.rmtree(folder / name)
+        module.save_pretrained(folder / name, safe_serialization=True)  # float32, as trained
     total = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
     log(work, stage="export", out=str(folder), total_bytes=total)
 
@@ -391,10 +429,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("stage", choices=["vae", "latents", "transformer", "decoder", "export", "all"])
     parser.add_argument("--work", type=Path, required=True, help="working folder (checkpoints, latents, log.jsonl)")
     parser.add_argument("--out", type=Path, default=None, help="exported model folder (default: WORK/model)")
+    parser.add_argument(
+        "--from-checkpoints", action="store_true", help="export: take stages still running from their checkpoints"
+    )
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--vae-steps", type=int, default=1500)
     parser.add_argument("--vae-batch", type=int, default=4)
     parser.add_argument("--vae-lr", type=float, default=1e-3)
+    parser.add_argument("--vae-frames", type=int, default=VAE_FRAMES, help="frames of the VAE's training crops")
     parser.add_argument("--decoder-steps", type=int, default=1500)
     parser.add_argument("--decoder-batch", type=int, default=2)
     parser.add_argument("--decoder-lr", type=float, default=5e-4)
@@ -410,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     stages = ["vae", "latents", "transformer", "export"] if args.stage == "all" else [args.stage]
     for stage in stages:
         if stage == "vae":
-            train_vae(args.work, args.vae_steps, args.vae_batch, args.vae_lr)
+            train_vae(args.work, args.vae_steps, args.vae_batch, args.vae_lr, args.vae_frames)
         elif stage == "latents":
             encode_latents(args.work, args.clips)
         elif stage == "decoder":
@@ -418,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
         elif stage == "transformer":
             train_transformer(args.work, args.dit_steps, args.dit_batch, args.dit_lr, args.dit_minutes)
         else:
-            export(args.work, args.out or args.work / "model")
+            export(args.work, args.out or args.work / "model", args.from_checkpoints)
     return 0
 
 

@@ -16,6 +16,11 @@ os.environ.setdefault("DISTVIDEO_NO_PROGRESS", "1")
 
 REPO = Path(__file__).resolve().parent.parent
 
+# The suite's default model is the tiny random-weight one (fast; the recorded frames and the random LoRA files are
+# made for it), for this process and every process it starts (launchers, spawned ranks, servers). The trained demo
+# model, the package's real default, has its own tests (test_demo_model.py), which name it or unset this.
+os.environ["DISTVIDEO_MODEL"] = str(REPO / "src" / "distvideo" / "assets" / "tiny-wan")
+
 ONLY_GPU_MAY_SKIP = (
     "only tests that need hardware this machine cannot have may skip (marked `gpu`, or `onednn` on a CPU oneDNN does "
     "not support); a test the machine cannot run fails instead: install what the reason names (make setup; make "
@@ -94,10 +99,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 # --- models ---------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="session")
-def embedded_model() -> Path:
-    from distvideo.models.embedded import embedded_model_path
+def tiny_model() -> Path:
+    from distvideo.models.embedded import tiny_model_path
 
-    return embedded_model_path()
+    return tiny_model_path()
 
 
 @pytest.fixture(scope="session")

@@ -10,13 +10,13 @@ from distvideo.executors.base import RankFailure
 
 
 @pytest.fixture(scope="module")
-def gen(embedded_model):
+def gen(tiny_model):
     with VideoGenerator.from_pretrained(executor="inline") as g:
         yield g
 
 
-def test_default_model_is_embedded(gen, embedded_model):
-    assert gen.model_info.path == embedded_model.resolve()
+def test_default_model_is_embedded(gen, tiny_model):
+    assert gen.model_info.path == tiny_model.resolve()
 
 
 def test_result_fields(gen, tmp_path):
@@ -59,37 +59,39 @@ def test_bad_request_fails_before_work(gen, monkeypatch):
         gen.generate("x", height=40)
 
 
-def test_the_load_tripwire_catches_a_load(no_weights_loaded, embedded_model):
+def test_the_load_tripwire_catches_a_load(no_weights_loaded, tiny_model):
     """The `no_weights_loaded` fixture the "refused before loading" tests rely on does fire when weights load."""
     with pytest.raises(AssertionError, match="model weights were loaded"):
-        VideoGenerator.from_pretrained(embedded_model, executor="inline")
+        VideoGenerator.from_pretrained(tiny_model, executor="inline")
 
 
-def test_shutdown_is_idempotent(embedded_model):
-    g = VideoGenerator.from_pretrained(embedded_model, executor="inline")
+def test_shutdown_is_idempotent(tiny_model):
+    g = VideoGenerator.from_pretrained(tiny_model, executor="inline")
     g.shutdown()
     g.shutdown()
     with pytest.raises(RuntimeError, match="shut down"):
         g.generate("x")
 
 
-def test_from_pretrained_takes_any_engine_option_by_name(embedded_model):
+def test_from_pretrained_takes_any_engine_option_by_name(tiny_model):
     with VideoGenerator.from_pretrained(
-        embedded_model, executor="inline", offload="text", compact_text_padding=False
+        tiny_model, executor="inline", offload="text", compact_text_padding=False
     ) as g:
         assert g.engine.config.offload == "text" and g.engine.config.compact_text_padding is False
     with pytest.raises(ConfigError, match="no_such_option: not an engine option"):
-        VideoGenerator.from_pretrained(embedded_model, executor="inline", no_such_option=1)
+        VideoGenerator.from_pretrained(tiny_model, executor="inline", no_such_option=1)
 
 
-def test_distvideo_model_is_the_default_model(embedded_model, monkeypatch, tmp_path):
+def test_distvideo_model_is_the_default_model(tiny_model, monkeypatch, tmp_path):
     from distvideo.executors.select import resolve_engine
 
     copy = tmp_path / "copy"
     import shutil
 
-    shutil.copytree(embedded_model, copy)
+    shutil.copytree(tiny_model, copy)
     monkeypatch.setenv("DISTVIDEO_MODEL", str(copy))
     assert resolve_engine(EngineConfig()).model.path == copy.resolve()
-    monkeypatch.delenv("DISTVIDEO_MODEL")
-    assert resolve_engine(EngineConfig()).model.path == embedded_model.resolve()
+    monkeypatch.delenv("DISTVIDEO_MODEL")  # the suite sets it to the tiny model (conftest.py)
+    from distvideo.models.embedded import DEMO_MODEL_DIR
+
+    assert resolve_engine(EngineConfig()).model.path == DEMO_MODEL_DIR.resolve()

@@ -66,8 +66,8 @@ def test_seeds_depend_on_the_batch_seed_and_index_only():
     assert 0 <= derive_seed(7, 123456) < 2**63
 
 
-def test_items_resolve_or_keep_their_error(embedded_model):
-    model = resolve_engine(EngineConfig(model=str(embedded_model))).model
+def test_items_resolve_or_keep_their_error(tiny_model):
+    model = resolve_engine(EngineConfig(model=str(tiny_model))).model
     defaults = GenerationRequest(prompt="-", num_frames=5, height=32, width=48, num_inference_steps=2)
     raw = ["plain", {"prompt": "seeded", "seed": 9}, {"prompt": "bad", "height": 50}, {"prompt": "x", "colour": 1}]
     items = build_items(raw, model, defaults=defaults, batch_seed=4)

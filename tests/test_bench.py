@@ -106,9 +106,9 @@ def _is_positive_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
-def test_bench_json_report_against_diffusers(tmp_path, embedded_model, capsys):
+def test_bench_json_report_against_diffusers(tmp_path, tiny_model, capsys):
     out = tmp_path / "bench.json"
-    args = ["bench", "--model", str(embedded_model), *SMALL, "--runs", "1", "--warmup", "0"]
+    args = ["bench", "--model", str(tiny_model), *SMALL, "--runs", "1", "--warmup", "0"]
     assert main([*args, "--compare", "diffusers", "--json", str(out), "--no-progress"]) == 0
     report = json.loads(out.read_text())
 
@@ -141,9 +141,9 @@ def test_bench_json_report_against_diffusers(tmp_path, embedded_model, capsys):
         assert text in table
 
 
-def test_bench_without_comparison_reports_distvideo_only(tmp_path, embedded_model, capsys):
+def test_bench_without_comparison_reports_distvideo_only(tmp_path, tiny_model, capsys):
     out = tmp_path / "alone.json"
-    assert main(["bench", "--model", str(embedded_model), *SMALL, "--steps", "1", "--runs", "1", "--warmup", "0",
+    assert main(["bench", "--model", str(tiny_model), *SMALL, "--steps", "1", "--runs", "1", "--warmup", "0",
                  "--guidance-scale", "1", "--json", str(out), "--no-progress"]) == 0  # fmt: skip
     report = json.loads(out.read_text())
     assert report["diffusers"] is None and report["ratio_e2e"] is None and report["ratios"] is None
@@ -198,21 +198,21 @@ BENCH_2 = [*SMALL, "--runs", "1", "--warmup", "0", "--compare", "diffusers", "--
 
 
 @pytest.mark.slow
-def test_bench_on_two_mp_ranks(tmp_path, embedded_model, capsys, monkeypatch):
+def test_bench_on_two_mp_ranks(tmp_path, tiny_model, capsys, monkeypatch):
     monkeypatch.setattr(bench.run, "DiffusersBaseline", lambda *a, **k: pytest.fail("diffusers started for 2 ranks"))
     out = tmp_path / "mp.json"
-    assert main(["bench", "--model", str(embedded_model), "--num-gpus", "2", *BENCH_2, "--json", str(out)]) == 0
+    assert main(["bench", "--model", str(tiny_model), "--num-gpus", "2", *BENCH_2, "--json", str(out)]) == 0
     check_multi_rank_report(json.loads(out.read_text()), "mp")
     assert "skipped" in capsys.readouterr().out
 
 
 @pytest.mark.launcher
 @pytest.mark.slow
-def test_bench_under_torchrun(tmp_path, embedded_model):
+def test_bench_under_torchrun(tmp_path, tiny_model):
     """Every rank runs the same command; rank 0 alone writes the report."""
     out = tmp_path / "reports"
     out.mkdir()
-    argv = ["-m", "distvideo", "bench", "--model", str(embedded_model), *BENCH_2, "--json", str(out / "bench.json")]
+    argv = ["-m", "distvideo", "bench", "--model", str(tiny_model), *BENCH_2, "--json", str(out / "bench.json")]
     proc = run_launcher("torchrun", argv, nproc=2, timeout=400)
     assert proc.returncode == 0, format_output(proc)
     assert [p.name for p in out.iterdir()] == ["bench.json"]

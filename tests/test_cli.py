@@ -15,7 +15,7 @@ from conftest import read_video
 SMALL = ["--num-frames", "5", "--height", "32", "--width", "48", "--steps", "2"]
 
 
-def test_generate_writes_playable_mp4(tmp_path, embedded_model):
+def test_generate_writes_playable_mp4(tmp_path, tiny_model):
     out = tmp_path / "clip.mp4"
     proc = subprocess.run(
         [

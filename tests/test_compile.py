@@ -55,10 +55,10 @@ def test_compile_defaults_to_the_environment(monkeypatch):
     assert EngineConfig(compile=False).with_defaults().compile is False
 
 
-def test_compile_plan_compiles_only_the_repeated_blocks_and_undoes(embedded_model):
+def test_compile_plan_compiles_only_the_repeated_blocks_and_undoes(tiny_model):
     from diffusers import WanTransformer3DModel
 
-    transformer = WanTransformer3DModel.from_pretrained(str(embedded_model / "transformer"))
+    transformer = WanTransformer3DModel.from_pretrained(str(tiny_model / "transformer"))
     undo = CompilePlan("transformer").apply(transformer)
     compiled = compat.compiled_modules(transformer)
     assert compiled and {type(m).__name__ for m in compiled} == {"WanTransformerBlock"}

@@ -42,8 +42,8 @@ def test_checkpoints_resolve_to_their_family(tmp_path_factory, family):
     assert info.family.pipeline == {"wan21_i2v": "wan_i2v"}.get(family, family)
 
 
-def test_embedded_model_is_wan21_t2v(embedded_model):
-    info = probe_model(embedded_model)
+def test_embedded_model_is_wan21_t2v(tiny_model):
+    info = probe_model(tiny_model)
     assert info.family.name == "Wan2.1 T2V" and info.family.transformers == ("transformer",)
 
 
@@ -68,8 +68,8 @@ def test_first_last_frame_checkpoint_is_refused(tmp_path_factory, tmp_path):
         probe_model(copy)
 
 
-def test_image_to_a_text_only_model_names_the_family(embedded_model, tmp_path_factory, no_weights):
-    info = probe_model(embedded_model)
+def test_image_to_a_text_only_model_names_the_family(tiny_model, tmp_path_factory, no_weights):
+    info = probe_model(tiny_model)
     image = test_image(tmp_path_factory)
     with pytest.raises(ConfigError, match=r"^image: .*Wan2.1 T2V \(WanPipeline\), a text-to-video model"):
         info.resolve_request(GenerationRequest(prompt="a fox", image=str(image)))
@@ -93,9 +93,9 @@ def test_ti2v_takes_an_image_or_none(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", ["guidance_scale_2", "boundary_ratio"])
-def test_expert_parameters_on_a_one_expert_model_name_the_family(embedded_model, name):
+def test_expert_parameters_on_a_one_expert_model_name_the_family(tiny_model, name):
     with pytest.raises(ConfigError, match=rf"^{name}: .*Wan2.1 T2V .*one transformer"):
-        probe_model(embedded_model).resolve_request(GenerationRequest(prompt="a fox", **{name: 0.5}))
+        probe_model(tiny_model).resolve_request(GenerationRequest(prompt="a fox", **{name: 0.5}))
 
 
 @pytest.mark.parametrize(
@@ -148,7 +148,7 @@ def test_checkpoint_boundary_ratio_wins_over_the_family_value(tmp_path_factory, 
     assert (info.defaults["boundary_ratio"], info.defaults["guidance_scale_2"], info.defaults["fps"]) == (0.5, 1.5, 12)
 
 
-def test_cli_refuses_image_for_text_only_model(embedded_model, tmp_path_factory, tmp_path, capsys, no_weights):
+def test_cli_refuses_image_for_text_only_model(tiny_model, tmp_path_factory, tmp_path, capsys, no_weights):
     image = test_image(tmp_path_factory)
     args = ["generate", "--prompt", "a fox", "--image", str(image), "--output", str(tmp_path / "v.mp4")]
     assert main(args) == 2

@@ -225,10 +225,10 @@ LAUNCHER_REPORTS = {
 
 @pytest.fixture(scope="module")
 def lora_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from distvideo.models.embedded import embedded_model_path
+    from distvideo.models.embedded import tiny_model_path
     from distvideo.testing.lora_files import build_random_lora
 
-    return build_random_lora(embedded_model_path(), tmp_path_factory.mktemp("lora") / "style.safetensors")
+    return build_random_lora(tiny_model_path(), tmp_path_factory.mktemp("lora") / "style.safetensors")
 
 
 @pytest.mark.parametrize(("launcher", "kill_on_bad_exit", "victim", "scenario"), DEAD_PEER)

@@ -20,9 +20,9 @@ SMALL = ["--num-frames", "5", "--height", "32", "--width", "32", "--steps", "1"]
 
 
 @pytest.fixture
-def model_copy(tmp_path: Path, embedded_model: Path) -> Path:
+def model_copy(tmp_path: Path, tiny_model: Path) -> Path:
     """A copy of the embedded tiny model that a test may damage."""
-    return Path(shutil.copytree(embedded_model, tmp_path / "tiny-wan"))
+    return Path(shutil.copytree(tiny_model, tmp_path / "tiny-wan"))
 
 
 def generate(args: list[str], tmp_path: Path) -> int:

@@ -35,8 +35,8 @@ REQUEST_FIELDS = [f for f in GenerationRequest.__dataclass_fields__ if f not in 
 
 
 @pytest.fixture(scope="module")
-def model_info(embedded_model: Path):
-    return probe_model(embedded_model)
+def model_info(tiny_model: Path):
+    return probe_model(tiny_model)
 
 
 def named_field(exc: Exception) -> str:

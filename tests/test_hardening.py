@@ -26,7 +26,7 @@ from distvideo.cli.main import main
 from distvideo.config import GenerationRequest
 from distvideo.executors import resolve_engine
 from distvideo.media import resolve_output_path, sanitize_prompt, write_video
-from distvideo.models.embedded import embedded_model_path
+from distvideo.models.embedded import tiny_model_path
 from distvideo.models.memory import estimate_request
 from distvideo.testing.checkpoints import build_benchmark_checkpoint, build_test_checkpoint
 from distvideo.testing.lora_files import build_random_lora, random_lora_layers, save_lora_file
@@ -120,7 +120,7 @@ def test_the_estimate_is_within_30_percent_of_the_measured_peak(which, size, tmp
     if which == "benchmark":
         model = str(build_benchmark_checkpoint(tmp_path_factory.mktemp("bench") / "ckpt"))
     else:
-        model = str(embedded_model_path())
+        model = str(tiny_model_path())
     proc = subprocess.run(
         [sys.executable, "-c", MEASURE, model, *map(str, size)], capture_output=True, text=True, timeout=600
     )
@@ -211,7 +211,7 @@ def test_write_video_is_unchanged_by_the_checks(tmp_path):
 
 # --- LoRA values and the adapter cache -------------------------------------------------------------------------------
 def _lora(tmp_path: Path, name: str, **changes) -> Path:
-    layers = random_lora_layers(embedded_model_path(), rank=2, seed=3)
+    layers = random_lora_layers(tiny_model_path(), rank=2, seed=3)
     path = save_lora_file(tmp_path / f"{name}.safetensors", layers, alpha=2.0)
     tensors = load_file(path)
     key = sorted(tensors)[0]
@@ -251,8 +251,8 @@ def test_broken_adapters_are_refused_naming_the_key(lora_gen, tmp_path, change, 
 
 def test_the_adapter_cache_is_bounded_and_adapters_can_be_removed(tmp_path):
     a, b = (
-        build_random_lora(embedded_model_path(), tmp_path / "a.safetensors", seed=1),
-        build_random_lora(embedded_model_path(), tmp_path / "b.safetensors", seed=2),
+        build_random_lora(tiny_model_path(), tmp_path / "a.safetensors", seed=1),
+        build_random_lora(tiny_model_path(), tmp_path / "b.safetensors", seed=2),
     )
     config = distvideo.config.EngineConfig(executor="inline", lora_cache_mb=0)  # only the active adapters stay
     with VideoGenerator.from_config(config) as gen:

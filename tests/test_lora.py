@@ -41,13 +41,13 @@ ALPHA_B = 2.0  # adapter B is stored in the Wan layout with alpha 2 at rank 4: s
 
 
 @pytest.fixture(scope="module")
-def layers_a(embedded_model):
-    return random_lora_layers(embedded_model, rank=4, seed=1)
+def layers_a(tiny_model):
+    return random_lora_layers(tiny_model, rank=4, seed=1)
 
 
 @pytest.fixture(scope="module")
-def layers_b(embedded_model):
-    return random_lora_layers(embedded_model, rank=4, seed=2)
+def layers_b(tiny_model):
+    return random_lora_layers(tiny_model, rank=4, seed=2)
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +72,8 @@ def files(tmp_path_factory, layers_a, layers_b):
 
 
 @pytest.fixture(scope="module")
-def gen(embedded_model):
-    with VideoGenerator.from_pretrained(embedded_model, executor="inline") as g:
+def gen(tiny_model):
+    with VideoGenerator.from_pretrained(tiny_model, executor="inline") as g:
         yield g
 
 
@@ -181,8 +181,8 @@ def test_strength_zero_is_the_base(gen, files, base):
 
 
 @pytest.fixture(scope="module")
-def diffusers_pipe(embedded_model, files):
-    pipe = diffusers_pipeline(embedded_model)
+def diffusers_pipe(tiny_model, files):
+    pipe = diffusers_pipeline(tiny_model)
     with warnings.catch_warnings():  # peft warns that a second adapter joins the first: that is the point
         warnings.simplefilter("ignore", UserWarning)
         pipe.load_lora_weights(str(files["a"]), adapter_name="a")
@@ -340,10 +340,10 @@ def test_cli_lora_flag_end_to_end(gen, files, frames_a07, tmp_path, capsys):
     assert out.read_bytes() == expected.read_bytes()
 
 
-def test_engine_lora_list_stacks_in_order(gen, files, embedded_model):
+def test_engine_lora_list_stacks_in_order(gen, files, tiny_model):
     """--lora given twice, or engine.lora in a config file: the first replaces, the next ones stack."""
     specs = [LoraSpec(str(files["a"]), 0.7), LoraSpec(str(files["b"]), 0.5), LoraSpec(str(files["a"]), 0.1)]
-    with VideoGenerator.from_pretrained(embedded_model, executor="inline", lora=specs) as stacked:
+    with VideoGenerator.from_pretrained(tiny_model, executor="inline", lora=specs) as stacked:
         assert state(stacked)["active"] == [["a", 0.7], ["b_wan", 0.5], ["a#2", 0.1]]
         stacked_digest = digest(stacked)
     gen.set_lora_adapter("a", files["a"], strength=0.7)
@@ -365,8 +365,8 @@ def test_cli_missing_lora_file_exits_2(tmp_path, capsys):
 
 
 @pytest.fixture(scope="module")
-def mp_gen(embedded_model):
-    with VideoGenerator.from_pretrained(embedded_model, executor="mp", num_gpus=2) as mp:
+def mp_gen(tiny_model):
+    with VideoGenerator.from_pretrained(tiny_model, executor="mp", num_gpus=2) as mp:
         yield mp
 
 
@@ -523,9 +523,9 @@ def test_unsupported_files_are_refused_and_change_nothing(gen, layers_a, tmp_pat
     assert digest(gen) == before and state(gen) == state_before
 
 
-def test_fused_projections_are_refused(embedded_model, files):
+def test_fused_projections_are_refused(tiny_model, files):
     """Fused q/k/v projections (diffusers' fuse_projections) bypass the to_q/to_k/to_v layers a LoRA changes."""
-    with VideoGenerator.from_pretrained(embedded_model, executor="inline") as fused:
+    with VideoGenerator.from_pretrained(tiny_model, executor="inline") as fused:
         transformer = transformer_of(fused)
         for module in transformer.modules():
             if hasattr(module, "fuse_projections"):
@@ -538,7 +538,7 @@ def test_fused_projections_are_refused(embedded_model, files):
 
 
 @pytest.mark.parametrize("layout", ["wan", "musubi"])
-def test_wan_and_musubi_layouts_read_as_diffusers_own_loader_reads_them(embedded_model, layers_b, tmp_path, layout):
+def test_wan_and_musubi_layouts_read_as_diffusers_own_loader_reads_them(tiny_model, layers_b, tmp_path, layout):
     """The same file through diffusers' WanPipeline.lora_state_dict (its own conversion of these layouts, alpha folded
     into the matrices) and through distvideo: the same layers and the same weight change per layer."""
     from diffusers import WanPipeline

@@ -27,7 +27,7 @@ import pytest
 from distvideo import VideoGenerator
 from distvideo.config import GenerationRequest
 from distvideo.executors.base import RankFailure
-from distvideo.models.embedded import embedded_model_path
+from distvideo.models.embedded import tiny_model_path
 from distvideo.testing.checkpoints import build_embedded_model
 
 from processes import Running, wait_gone
@@ -94,7 +94,7 @@ def raise_in_second_transformer_call_on_rank_1(worker):
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     try:
-        return str(embedded_model_path())
+        return str(tiny_model_path())
     except FileNotFoundError:  # not generated yet in this checkout: build the same folder
         return str(build_embedded_model(tmp_path_factory.mktemp("model") / "tiny-wan"))
 

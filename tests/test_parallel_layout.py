@@ -180,11 +180,11 @@ def test_conv_row_halo_refuses_non_same_convolutions(kernel, stride, padding):
         (dict(executor="mp", num_gpus=4, sp_size=3), "cfg(1) * sp(3) = 3 != world_size(4)"),
     ],
 )
-def test_generator_refuses_impossible_layouts_before_loading(embedded_model, kwargs, fragment):
+def test_generator_refuses_impossible_layouts_before_loading(tiny_model, kwargs, fragment):
     from distvideo import VideoGenerator
 
     with pytest.raises(ConfigError, match=re.escape(fragment)):
-        VideoGenerator.from_pretrained(embedded_model, **kwargs)
+        VideoGenerator.from_pretrained(tiny_model, **kwargs)
 
 
 # --- text projections reused across steps -----------------------------------------------------------------------------

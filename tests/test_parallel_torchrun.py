@@ -69,8 +69,8 @@ def _launch(tmp: Path, engines: list[tuple], nproc: int, models: dict[str, Path]
 
 
 @pytest.fixture(scope="module")
-def models(embedded_model, test_checkpoint) -> dict[str, Path]:
-    return {"embedded": embedded_model, "ckpt": test_checkpoint}
+def models(tiny_model, test_checkpoint) -> dict[str, Path]:
+    return {"embedded": tiny_model, "ckpt": test_checkpoint}
 
 
 @pytest.fixture(scope="module")

@@ -11,16 +11,16 @@ from conftest import diffusers_frames, max_abs_diff
 
 
 @pytest.fixture(scope="module")
-def embedded_generator(embedded_model):
-    with VideoGenerator.from_pretrained(embedded_model, executor="inline") as gen:
+def embedded_generator(tiny_model):
+    with VideoGenerator.from_pretrained(tiny_model, executor="inline") as gen:
         yield gen
 
 
-def test_embedded_model_matches_diffusers(embedded_generator, embedded_model):
+def test_embedded_model_matches_diffusers(embedded_generator, tiny_model):
     res = embedded_generator.generate("a red fox running through snow", seed=7, save_video=False)
     defaults = embedded_generator.model_info.defaults
     ref = diffusers_frames(
-        embedded_model,
+        tiny_model,
         "a red fox running through snow",
         seed=7,
         num_frames=defaults["num_frames"],
@@ -44,10 +44,10 @@ def test_unipc_nonsquare_cfg_checkpoint_matches_diffusers(test_checkpoint):
     assert max_abs_diff(res.frames, ref) <= 2
 
 
-def test_without_guidance_matches_diffusers(embedded_generator, embedded_model):
+def test_without_guidance_matches_diffusers(embedded_generator, tiny_model):
     kwargs = dict(num_frames=5, height=32, width=48, num_inference_steps=3, guidance_scale=1.0)
     res = embedded_generator.generate("waves", seed=1, save_video=False, **kwargs)
-    ref = diffusers_frames(embedded_model, "waves", seed=1, **kwargs)
+    ref = diffusers_frames(tiny_model, "waves", seed=1, **kwargs)
     assert max_abs_diff(res.frames, ref) <= 2
 
 

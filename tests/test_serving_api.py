@@ -25,11 +25,11 @@ EXECUTORS = [
 
 @pytest.fixture(scope="module", params=EXECUTORS)
 def server(request, tmp_path_factory):
-    from distvideo.models.embedded import embedded_model_path
+    from distvideo.models.embedded import tiny_model_path
     from distvideo.testing.lora_files import build_random_lora
 
     workdir = tmp_path_factory.mktemp(f"serve-{request.param}")
-    style = build_random_lora(embedded_model_path(), workdir / "style.safetensors", seed=5)
+    style = build_random_lora(tiny_model_path(), workdir / "style.safetensors", seed=5)
     args = ["--max-queue", "2", "--max-body-bytes", "65536", "--lora-adapter", f"style={style}"]
     with start_server(workdir, request.param, args=args, api_key=KEY, fail_rank="all") as served:
         served.executor = request.param

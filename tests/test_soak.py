@@ -64,11 +64,11 @@ def check_level(what: str, baseline: dict[str, int], end: dict[str, int]) -> Non
 
 
 @pytest.fixture(scope="module")
-def gen(embedded_model: Path) -> Iterator[VideoGenerator]:
+def gen(tiny_model: Path) -> Iterator[VideoGenerator]:
     threads = torch.get_num_threads()
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DISTVIDEO_NUM_THREADS", "1")  # steadier on a shared 2-core machine; restored below
-        generator = VideoGenerator.from_pretrained(embedded_model, executor="inline")
+        generator = VideoGenerator.from_pretrained(tiny_model, executor="inline")
     try:
         yield generator
     finally:

@@ -76,12 +76,12 @@ def test_same_embeddings_keep_one_identity_across_steps(test_checkpoint):
     assert plan.compact(embeds)[0] is not first
 
 
-def test_pipeline_frames_equal_with_and_without_compaction(embedded_model, monkeypatch):
+def test_pipeline_frames_equal_with_and_without_compaction(tiny_model, monkeypatch):
     kwargs = dict(num_frames=5, height=32, width=48, num_inference_steps=3, guidance_scale=5.0, seed=2)
     frames = {}
     for flag in ("0", "1"):
         monkeypatch.setenv("DISTVIDEO_COMPACT_TEXT_PADDING", flag)
-        with VideoGenerator.from_pretrained(embedded_model, executor="inline") as gen:
+        with VideoGenerator.from_pretrained(tiny_model, executor="inline") as gen:
             transformer = gen.executor.worker.pipeline.transformer
             names = {type(b.attn2.processor).__name__ for b in transformer.blocks}
             assert names == ({"CompactTextAttnProcessor"} if flag == "1" else {"WanAttnProcessor"})

@@ -13,7 +13,7 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from distvideo.models.embedded import EMBEDDED_MODEL_DIR, embedded_model_path
+from distvideo.models.embedded import TINY_MODEL_DIR, tiny_model_path
 from distvideo.testing.checkpoints import EMBEDDED_DEFAULTS, build_embedded_model, build_tiny_wan
 
 COMPONENTS = ("scheduler", "text_encoder", "tokenizer", "transformer", "vae")
@@ -35,8 +35,8 @@ def _sha256(path: Path) -> str:
 
 
 def test_embedded_model_is_small_and_complete() -> None:
-    root = embedded_model_path()
-    assert root == EMBEDDED_MODEL_DIR
+    root = tiny_model_path()
+    assert root == TINY_MODEL_DIR
     files = _files(root)
     total = sum(p.stat().st_size for p in files.values())
     assert total < 1_000_000, f"embedded model is {total} bytes"
@@ -60,7 +60,7 @@ def test_embedded_model_is_small_and_complete() -> None:
 
 
 def test_regenerating_gives_the_shipped_files(tmp_path: Path) -> None:
-    shipped = _files(embedded_model_path())
+    shipped = _files(tiny_model_path())
     rebuilt = _files(build_embedded_model(tmp_path / "tiny-wan"))
     assert sorted(rebuilt) == sorted(shipped)
     for name, path in shipped.items():
@@ -73,7 +73,7 @@ def test_regenerating_gives_the_shipped_files(tmp_path: Path) -> None:
 def test_tokenizer_matches_what_wan_pipeline_expects() -> None:
     from transformers import T5TokenizerFast, UMT5Config
 
-    root = embedded_model_path()
+    root = tiny_model_path()
     tok = T5TokenizerFast.from_pretrained(root / "tokenizer")
     assert (tok.pad_token_id, tok.eos_token_id, tok.unk_token_id) == (0, 1, 2)
     assert len(tok) == UMT5Config.from_pretrained(root / "text_encoder").vocab_size
@@ -96,7 +96,7 @@ def test_tokenizer_matches_what_wan_pipeline_expects() -> None:
 def test_embedded_model_runs_in_diffusers_deterministically() -> None:
     from diffusers import WanPipeline
 
-    pipe = WanPipeline.from_pretrained(embedded_model_path())
+    pipe = WanPipeline.from_pretrained(tiny_model_path())
     pipe.set_progress_bar_config(disable=True)
 
     def run() -> np.ndarray:

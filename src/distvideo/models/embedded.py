@@ -1,17 +1,32 @@
-"""The embedded tiny model: a complete diffusers-format checkpoint shipped as package data, the default model."""
+"""The models shipped as package data: the trained demo model (the default) and the tiny random-weight model."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-EMBEDDED_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "tiny-wan"
+_ASSETS = Path(__file__).resolve().parent.parent / "assets"
+
+#: The trained demo model: draws the captions of :mod:`distvideo.testing.shapes` (docs/demo-model.md); the model used
+#: when none is given.
+DEMO_MODEL_DIR = _ASSETS / "demo-wan"
+#: The tiny random-weight model (draws noise): the test suite's fast model, rebuilt byte for byte by
+#: ``scripts/make_embedded_model.py``.
+TINY_MODEL_DIR = _ASSETS / "tiny-wan"
+#: The embedded default model.
+EMBEDDED_MODEL_DIR = DEMO_MODEL_DIR
+
+
+def _shipped(path: Path, what: str, remedy: str) -> Path:
+    if not (path / "model_index.json").is_file():
+        raise FileNotFoundError(f"the {what} is missing at {path}; {remedy}")
+    return path
 
 
 def embedded_model_path() -> Path:
-    """Path of the embedded tiny model folder shipped with the package."""
-    if not (EMBEDDED_MODEL_DIR / "model_index.json").is_file():
-        raise FileNotFoundError(
-            f"the embedded tiny model is missing at {EMBEDDED_MODEL_DIR}; "
-            "regenerate it with `python scripts/make_embedded_model.py`"
-        )
-    return EMBEDDED_MODEL_DIR
+    """Path of the embedded default model (the trained demo model) shipped with the package."""
+    return _shipped(EMBEDDED_MODEL_DIR, "embedded demo model", "reinstall distvideo (see docs/demo-model.md)")
+
+
+def tiny_model_path() -> Path:
+    """Path of the tiny random-weight model shipped with the package (fast; for tests and smoke runs)."""
+    return _shipped(TINY_MODEL_DIR, "tiny model", "regenerate it with `python scripts/make_embedded_model.py`")
