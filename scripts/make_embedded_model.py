@@ -28,9 +28,7 @@ SIZE_LIMIT = 1_000_000
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--out", type=Path, default=TINY_MODEL_DIR, help=f"output folder (default {TINY_MODEL_DIR})"
-    )
+    parser.add_argument("--out", type=Path, default=TINY_MODEL_DIR, help=f"output folder (default {TINY_MODEL_DIR})")
     args = parser.parse_args(argv)
 
     out = build_embedded_model(args.out)

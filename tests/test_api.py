@@ -74,9 +74,7 @@ def test_shutdown_is_idempotent(tiny_model):
 
 
 def test_from_pretrained_takes_any_engine_option_by_name(tiny_model):
-    with VideoGenerator.from_pretrained(
-        tiny_model, executor="inline", offload="text", compact_text_padding=False
-    ) as g:
+    with VideoGenerator.from_pretrained(tiny_model, executor="inline", offload="text", compact_text_padding=False) as g:
         assert g.engine.config.offload == "text" and g.engine.config.compact_text_padding is False
     with pytest.raises(ConfigError, match="no_such_option: not an engine option"):
         VideoGenerator.from_pretrained(tiny_model, executor="inline", no_such_option=1)
@@ -92,6 +90,6 @@ def test_distvideo_model_is_the_default_model(tiny_model, monkeypatch, tmp_path)
     monkeypatch.setenv("DISTVIDEO_MODEL", str(copy))
     assert resolve_engine(EngineConfig()).model.path == copy.resolve()
     monkeypatch.delenv("DISTVIDEO_MODEL")  # the suite sets it to the tiny model (conftest.py)
-    from distvideo.models.embedded import DEMO_MODEL_DIR
+    from distvideo.models.embedded import embedded_model_path
 
-    assert resolve_engine(EngineConfig()).model.path == DEMO_MODEL_DIR.resolve()
+    assert resolve_engine(EngineConfig()).model.path == embedded_model_path().resolve()
