@@ -67,6 +67,9 @@ VAE_DATA_SEED = 1
 LATENT_DATA_SEED = 2
 SHIFT = 3.0  # the scheduler's flow shift
 CFG_DROPOUT = 0.1
+#: where training runs (``--device``): the CPU, or a CUDA device, where every stage takes minutes instead of hours.
+#: Random draws come from CPU generators on either, so the data and the noise do not depend on the device.
+DEVICE = torch.device("cpu")
 MAX_TEXT_TOKENS = 512  # the engine's (and WanPipeline's) max_sequence_length
 LATENT_BATCH = 8  # clips encoded at once in the latents stage
 
@@ -81,6 +84,10 @@ def log(work: Path, **record: Any) -> None:
 def to_tensor(frames: np.ndarray) -> torch.Tensor:
     """uint8 (T, H, W, 3) -> float (3, T, H, W) in [-1, 1]."""
     return torch.from_numpy(frames).permute(3, 0, 1, 2).float().div(127.5).sub(1.0)
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    return torch.load(path, weights_only=True, map_location="cpu")
 
 
 def skeleton(work: Path) -> Path:
@@ -119,34 +126,49 @@ def vae_batch(step: int, batch: int, num_frames: int = VAE_FRAMES) -> tuple[torc
 
 
 def train_vae(
-    work: Path, steps: int, batch: int, lr: float, num_frames: int = VAE_FRAMES, deterministic: bool = False
+    work: Path,
+    steps: int,
+    batch: int,
+    lr: float,
+    num_frames: int = VAE_FRAMES,
+    deterministic: bool = False,
+    minutes: float | None = None,
 ) -> None:
+    """``minutes``: a time budget, as in :func:`train_transformer`."""
     from diffusers import AutoencoderKLWan
 
     out = work / "vae"
     if (out / "config.json").is_file():
         print("vae: done already")
         return
-    vae = AutoencoderKLWan.from_pretrained(skeleton(work) / "vae", torch_dtype=torch.float32).train()
+    vae = AutoencoderKLWan.from_pretrained(skeleton(work) / "vae", torch_dtype=torch.float32).to(DEVICE).train()
     ckpt = work / "vae_ckpt.pt"
     opt = torch.optim.AdamW(vae.parameters(), lr=lr, weight_decay=0.0)
     start = 0
     if ckpt.is_file():
-        state = torch.load(ckpt, weights_only=True)
+        state = load_checkpoint(ckpt)
         vae.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         start = int(state["step"]) + 1
     gen = torch.Generator().manual_seed(SEED)
     t0 = time.time()
     for step in range(start, steps):
+        progress = step / steps
+        if minutes is not None:
+            progress = max(progress, (time.time() - t0) / (60 * minutes))
+            if progress >= 1.0:
+                break
         for group in opt.param_groups:  # cosine decay after a short warm-up
             warm = min(1.0, (step + 1) / 50)
-            group["lr"] = lr * warm * 0.5 * (1 + math.cos(math.pi * step / steps))
-        x, weight = vae_batch(step, batch, num_frames)
+            group["lr"] = lr * warm * 0.5 * (1 + math.cos(math.pi * progress))
+        x, weight = (t.to(DEVICE) for t in vae_batch(step, batch, num_frames))
         post = vae.encode(x).latent_dist
-        # sampling z from the posterior (as Wan's VAE trained) made the decoder learn colour slowly here: 800 steps
-        # left a linear probe 70% right on the shape's colour; the means are what the transformer learns anyway
-        z = post.mean if deterministic else post.mean + post.std * torch.randn(post.mean.shape, generator=gen)
+        # deterministic: decode the posterior means, which is what the transformer's samples are decoded from
+        z = (
+            post.mean
+            if deterministic
+            else post.mean + post.std * torch.randn(post.mean.shape, generator=gen).to(DEVICE)
+        )
         rec = vae.decode(z).sample
         l1 = ((rec - x).abs() * weight).mean()
         mse = ((rec - x).pow(2) * weight).mean()
@@ -186,7 +208,7 @@ def train_decoder(work: Path, steps: int, batch: int, lr: float) -> None:
     if (out / "config.json").is_file():
         print("decoder: done already")
         return
-    vae = AutoencoderKLWan.from_pretrained(work / "vae", torch_dtype=torch.float32)
+    vae = AutoencoderKLWan.from_pretrained(work / "vae", torch_dtype=torch.float32).to(DEVICE)
     vae.requires_grad_(False).eval()
     trained = [vae.decoder, vae.post_quant_conv]
     params = [p for m in trained for p in m.parameters()]
@@ -196,7 +218,7 @@ def train_decoder(work: Path, steps: int, batch: int, lr: float) -> None:
     ckpt = work / "decoder_ckpt.pt"
     start = 0
     if ckpt.is_file():
-        state = torch.load(ckpt, weights_only=True)
+        state = load_checkpoint(ckpt)
         vae.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         start = int(state["step"]) + 1
@@ -204,7 +226,7 @@ def train_decoder(work: Path, steps: int, batch: int, lr: float) -> None:
     for step in range(start, steps):
         for group in opt.param_groups:
             group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / steps))
-        x, weight = vae_batch(100_000 + step, batch, num_frames=DECODER_FRAMES)
+        x, weight = (t.to(DEVICE) for t in vae_batch(100_000 + step, batch, num_frames=DECODER_FRAMES))
         with torch.no_grad():  # the posterior means: what the transformer learned to produce
             z = vae.encode(x).latent_dist.mean
         rec = vae.decode(z).sample
@@ -240,20 +262,20 @@ def encode_latents(work: Path, count: int) -> None:
     if out.is_file():
         print("latents: done already")
         return
-    vae = AutoencoderKLWan.from_pretrained(work / "vae", torch_dtype=torch.float32).eval()
+    vae = AutoencoderKLWan.from_pretrained(work / "vae", torch_dtype=torch.float32).to(DEVICE).eval()
     lat, ids, l1 = [], [], []
     captions = [c.text for c in shapes.all_captions()]
     index = {c: i for i, c in enumerate(captions)}
     t0 = time.time()
     for first in range(0, count, LATENT_BATCH):
         clips = [shapes.sample_clip(LATENT_DATA_SEED, i) for i in range(first, min(first + LATENT_BATCH, count))]
-        x = torch.stack([to_tensor(frames) for _, frames in clips])
+        x = torch.stack([to_tensor(frames) for _, frames in clips]).to(DEVICE)
         mean = vae.encode(x).latent_dist.mean
         if first % 200 == 0:
             rec = vae.decode(mean[:1]).sample.clamp(-1, 1)
             l1.append((rec - x[:1]).abs().mean().item())
             log(work, stage="latents", item=first, recon_l1=round(l1[-1], 5), s=round(time.time() - t0, 1))
-        lat.extend(mean)
+        lat.extend(mean.cpu())
         ids.extend(index[caption.text] for caption, _ in clips)
     latents = torch.stack(lat)
     ch_mean = latents.mean(dim=(0, 2, 3, 4))
@@ -323,7 +345,8 @@ def train_transformer(work: Path, steps: int, batch: int, lr: float, minutes: fl
     captions = [*data["captions"], ""]
     empty = len(captions) - 1
     transformer = WanTransformer3DModel.from_pretrained(skeleton(work) / "transformer", torch_dtype=torch.float32)
-    model = torch.nn.ModuleDict({"transformer": transformer, "text": TextSide(skeleton(work), captions)}).train()
+    model = torch.nn.ModuleDict({"transformer": transformer, "text": TextSide(skeleton(work), captions)})
+    model = model.to(DEVICE).train()
     ema = copy.deepcopy(model).eval().requires_grad_(False)
     # exact: the zero padding rows of the text are one key counted r times (the engine's own plan, see text_padding)
     TextPaddingPlan().apply(transformer)
@@ -331,7 +354,7 @@ def train_transformer(work: Path, steps: int, batch: int, lr: float, minutes: fl
     ckpt = work / "transformer_ckpt.pt"
     start = 0
     if ckpt.is_file():
-        state = torch.load(ckpt, weights_only=True)
+        state = load_checkpoint(ckpt)
         model.load_state_dict(state["model"])
         ema.load_state_dict(state["ema"])
         opt.load_state_dict(state["opt"])
@@ -349,15 +372,15 @@ def train_transformer(work: Path, steps: int, batch: int, lr: float, minutes: fl
             warm = min(1.0, (step + 1) / 200)
             group["lr"] = lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
         pick = torch.randint(len(x0_all), (batch,), generator=gen)
-        x0 = x0_all[pick]
+        x0 = x0_all[pick].to(DEVICE)
         text = ids_all[pick].clone()
         text[torch.rand(batch, generator=gen) < CFG_DROPOUT] = empty
         u = torch.rand(batch, generator=gen)
-        sigma = SHIFT * u / (1 + (SHIFT - 1) * u)
-        noise = torch.randn(x0.shape, generator=gen)
+        sigma = (SHIFT * u / (1 + (SHIFT - 1) * u)).to(DEVICE)
+        noise = torch.randn(x0.shape, generator=gen).to(DEVICE)
         s = sigma.view(-1, 1, 1, 1, 1)
         xt = (1 - s) * x0 + s * noise
-        embeds = model["text"](text)
+        embeds = model["text"](text.to(DEVICE))
         pred = transformer(hidden_states=xt, timestep=sigma * 1000, encoder_hidden_states=embeds, return_dict=False)[0]
         loss = (pred - (noise - x0)).pow(2).mean()
         opt.zero_grad(set_to_none=True)
@@ -402,7 +425,7 @@ def export(work: Path, out: Path, from_checkpoints: bool = False) -> None:
     final = work / "vae_final" if (work / "vae_final" / "config.json").is_file() else work / "vae"
     vae = AutoencoderKLWan.from_pretrained(final, torch_dtype=torch.float32)
     if from_checkpoints and final.name == "vae" and (work / "decoder_ckpt.pt").is_file():
-        vae.load_state_dict(torch.load(work / "decoder_ckpt.pt", weights_only=True)["model"])
+        vae.load_state_dict(load_checkpoint(work / "decoder_ckpt.pt")["model"])
     vae.register_to_config(
         latents_mean=[round(v, 6) for v in data["mean"].tolist()],
         latents_std=[round(v, 6) for v in data["std"].tolist()],
@@ -413,7 +436,7 @@ def export(work: Path, out: Path, from_checkpoints: bool = False) -> None:
         transformer = WanTransformer3DModel.from_pretrained(work / "transformer", torch_dtype=torch.float32)
         text_encoder = UMT5EncoderModel.from_pretrained(work / "text_encoder", torch_dtype=torch.float32)
     elif from_checkpoints:
-        ema = torch.load(work / "transformer_ckpt.pt", weights_only=True)["ema"]
+        ema = load_checkpoint(work / "transformer_ckpt.pt")["ema"]
         transformer = WanTransformer3DModel.from_pretrained(folder / "transformer", torch_dtype=torch.float32)
         transformer.load_state_dict({k.split(".", 1)[1]: v for k, v in ema.items() if k.startswith("transformer.")})
         text_encoder = UMT5EncoderModel.from_pretrained(folder / "text_encoder", torch_dtype=torch.float32)
@@ -437,6 +460,7 @@ def main(argv: list[str] | None = None) -> int:
         "--from-checkpoints", action="store_true", help="export: take stages still running from their checkpoints"
     )
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (the stages take minutes on a GPU)")
     parser.add_argument("--vae-steps", type=int, default=1500)
     parser.add_argument("--vae-batch", type=int, default=4)
     parser.add_argument("--vae-lr", type=float, default=1e-3)
@@ -444,6 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--vae-deterministic", action="store_true", help="decode the posterior means (no sampling) while training"
     )
+    parser.add_argument("--vae-minutes", type=float, default=None, help="time budget of the VAE stage")
     parser.add_argument("--decoder-steps", type=int, default=1500)
     parser.add_argument("--decoder-batch", type=int, default=2)
     parser.add_argument("--decoder-lr", type=float, default=5e-4)
@@ -454,12 +479,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dit-minutes", type=float, default=None, help="time budget of the transformer stage")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    global DEVICE
+    DEVICE = torch.device(args.device)
+    if DEVICE.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # float32 weights, TF32 products: fine for training
+        torch.backends.cudnn.allow_tf32 = True
     torch.manual_seed(SEED)
     args.work.mkdir(parents=True, exist_ok=True)
     stages = ["vae", "latents", "transformer", "export"] if args.stage == "all" else [args.stage]
     for stage in stages:
         if stage == "vae":
-            train_vae(args.work, args.vae_steps, args.vae_batch, args.vae_lr, args.vae_frames, args.vae_deterministic)
+            train_vae(
+                args.work,
+                args.vae_steps,
+                args.vae_batch,
+                args.vae_lr,
+                args.vae_frames,
+                args.vae_deterministic,
+                args.vae_minutes,
+            )
         elif stage == "latents":
             encode_latents(args.work, args.clips)
         elif stage == "decoder":
