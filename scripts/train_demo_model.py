@@ -1,19 +1,26 @@
 #!/usr/bin/env python
 """Train the demo model: a tiny Wan2.1-architecture text-to-video model that draws the shapes dataset's captions.
 
-Stages (each resumable; ``all`` runs them in order, skipping the finished ones):
+Stages (each resumable; ``all`` runs vae, latents, transformer and export in order, skipping the finished ones):
 
-1. ``vae``: train a small ``AutoencoderKLWan`` (base_dim 12, z_dim 16) on 9-frame 32x32 crops around the shape of
-   clips of the shapes dataset (:mod:`distvideo.testing.shapes`) with L1 + MSE reconstruction (shape pixels weighted
-   5x) and a small KL term;
-2. ``latents``: encode a fixed set of 17-frame clips to VAE latents (posterior means), measure the per-channel latent
-   mean and std (written to the VAE config as ``latents_mean``/``latents_std``, as Wan's VAE carries them), and encode
-   every caption (and the empty negative prompt) with the fixed random UMT5 through diffusers' ``WanPipeline.encode_prompt``;
-3. ``transformer``: train a small ``WanTransformer3DModel`` with Wan's flow-matching objective (x_t = (1 - s) x0 +
-   s eps, target eps - x0, s drawn uniformly and shifted by the scheduler's shift 3) with 10% of captions dropped to
-   the empty prompt for classifier-free guidance, AdamW, and an EMA of the weights;
-4. ``export``: write a diffusers-format ``WanPipeline`` folder (the EMA transformer in float32, the VAE in float16) with its
-   ``distvideo_defaults.json``, into ``--out`` (default: the package's embedded-model folder).
+1. ``vae``: train a small ``AutoencoderKLWan`` (base_dim 12, z_dim 16) on crops (32 x 32, ``--vae-frames`` long)
+   around the shape of clips of the shapes dataset (:mod:`distvideo.testing.shapes`) with L1 + MSE reconstruction
+   (shape pixels weighted 5x) and a small KL term; ``--vae-deterministic`` decodes the posterior means instead of
+   samples; a ``STOP_VAE`` file in the work folder freezes it at the next step;
+2. ``latents``: encode a fixed set of 17-frame clips to VAE latents (posterior means) and measure the per-channel
+   latent mean and std (written to the VAE config as ``latents_mean``/``latents_std``, as Wan's VAE carries them);
+3. ``transformer``: train a small ``WanTransformer3DModel`` and the small UMT5 text encoder together with Wan's
+   flow-matching objective (x_t = (1 - s) x0 + s eps, target eps - x0, s drawn uniformly and shifted by the
+   scheduler's shift 3) with 10% of captions dropped to the empty prompt for classifier-free guidance, AdamW, and an
+   EMA of the weights; the text is encoded exactly as ``WanPipeline.encode_prompt`` does (512 rows, zero padded);
+   ``decoder`` (optional, beside it) goes on training the VAE's decoder with the encoder frozen;
+4. ``export``: write a diffusers-format ``WanPipeline`` folder (the EMA transformer and text encoder in float32, the
+   VAE in float16) with its ``distvideo_defaults.json`` into ``--out``; ``--from-checkpoints`` takes stages still
+   running from their latest checkpoints (an interim look);
+``check-vae``: the caption check on the VAE's own reconstructions of held-out clips, the ceiling of the whole model.
+
+``--device cuda`` runs every stage on a GPU (random draws stay on CPU generators); docs/demo-model.md has the
+command for a lent GPU, where the stages take minutes instead of hours.
 
 Everything is seeded; losses go to ``WORK/log.jsonl`` and the console. Example (the command the shipped model was
 trained with is in docs/demo-model.md)::
@@ -412,6 +419,45 @@ def train_transformer(work: Path, steps: int, batch: int, lr: float, minutes: fl
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+VAE_CHECK_SEED = 3  # held-out clips: neither the VAE stages nor the latents stage draw from this seed
+
+
+@torch.no_grad()
+def check_vae(work: Path, count: int) -> dict[str, Any]:
+    """How well the VAE alone draws the captions: reconstruct ``count`` held-out 17-frame clips (through the posterior
+    means) and judge each with the caption check the generated videos face. No transformer can beat this rate. Takes
+    the newest of: the finished decoder, the decoder checkpoint, the VAE folder, the VAE checkpoint."""
+    from diffusers import AutoencoderKLWan
+
+    from distvideo.testing.video_check import check_video
+
+    vae = AutoencoderKLWan.from_pretrained(skeleton(work) / "vae", torch_dtype=torch.float32)
+    sources = [work / "vae_final", work / "decoder_ckpt.pt", work / "vae", work / "vae_ckpt.pt"]
+    source = next(p for p in sources if p.exists())
+    if source.suffix == ".pt":
+        vae.load_state_dict(load_checkpoint(source)["model"])
+    else:
+        vae = AutoencoderKLWan.from_pretrained(source, torch_dtype=torch.float32)
+    vae = vae.to(DEVICE).eval()
+    passed, fg_l1, failures = 0, [], []
+    for i in range(count):
+        caption, frames = shapes.sample_clip(VAE_CHECK_SEED, i)
+        x = to_tensor(frames)[None].to(DEVICE)
+        rec = vae.decode(vae.encode(x).latent_dist.mean).sample.clamp(-1, 1)[0].cpu()
+        out = rec.permute(1, 2, 3, 0).add(1).mul(127.5).round().to(torch.uint8).numpy()
+        result = check_video(out, caption)
+        passed += result.ok
+        if not result.ok:
+            failures.append(f"{caption.text}: {result.reason}")
+        background = np.asarray(shapes.BACKGROUNDS[caption.background])
+        shape = np.abs(frames.astype(np.int16) - background).max(axis=-1) > 8
+        fg_l1.append(float(np.abs(out.astype(np.int16) - frames.astype(np.int16))[shape].mean()))
+    report = {"source": source.name, "passed": passed, "count": count, "shape_l1_uint8": round(np.mean(fg_l1), 2)}
+    log(work, stage="check-vae", **report, failures=failures)
+    return report
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 def export(work: Path, out: Path, from_checkpoints: bool = False) -> None:
     """Write the model folder. ``from_checkpoints``: take the transformer, the text encoder and the decoder from the
     latest checkpoints of stages still running (an interim look at the model; the finished stages' folders win)."""
@@ -453,7 +499,7 @@ def export(work: Path, out: Path, from_checkpoints: bool = False) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("stage", choices=["vae", "latents", "transformer", "decoder", "export", "all"])
+    parser.add_argument("stage", choices=["vae", "latents", "transformer", "decoder", "export", "all", "check-vae"])
     parser.add_argument("--work", type=Path, required=True, help="working folder (checkpoints, latents, log.jsonl)")
     parser.add_argument("--out", type=Path, default=None, help="exported model folder (default: WORK/model)")
     parser.add_argument(
@@ -469,6 +515,7 @@ def main(argv: list[str] | None = None) -> int:
         "--vae-deterministic", action="store_true", help="decode the posterior means (no sampling) while training"
     )
     parser.add_argument("--vae-minutes", type=float, default=None, help="time budget of the VAE stage")
+    parser.add_argument("--check-clips", type=int, default=24, help="check-vae: held-out clips reconstructed")
     parser.add_argument("--decoder-steps", type=int, default=1500)
     parser.add_argument("--decoder-batch", type=int, default=2)
     parser.add_argument("--decoder-lr", type=float, default=5e-4)
@@ -504,6 +551,8 @@ def main(argv: list[str] | None = None) -> int:
             train_decoder(args.work, args.decoder_steps, args.decoder_batch, args.decoder_lr)
         elif stage == "transformer":
             train_transformer(args.work, args.dit_steps, args.dit_batch, args.dit_lr, args.dit_minutes)
+        elif stage == "check-vae":
+            check_vae(args.work, args.check_clips)
         else:
             export(args.work, args.out or args.work / "model", args.from_checkpoints)
     return 0

@@ -88,3 +88,11 @@ def test_the_text_encoder_trains_and_encodes_as_the_pipeline_does(trained: Path)
     print(f"FIGURE training-time text encoding vs encode_prompt: max abs difference {(mine - ref).abs().max():.1e}")
     assert (mine - ref).abs().max() <= 1e-5
     assert torch.equal(mine == 0, ref == 0)  # the same zero padding rows
+
+
+def test_check_vae_judges_the_reconstructions_of_held_out_clips(trained: Path) -> None:
+    report = _load_script().check_vae(trained, 2)
+    assert report["source"] == "vae" and report["count"] == 2 and 0 <= report["passed"] <= 2
+    assert report["shape_l1_uint8"] > 0  # two training steps reconstruct nothing exactly
+    logged = [json.loads(line) for line in (trained / "log.jsonl").read_text().splitlines()]
+    assert logged[-1]["stage"] == "check-vae" and len(logged[-1]["failures"]) == 2 - report["passed"]
