@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 # The suite's default model is the tiny random-weight one (fast; the recorded frames and the random LoRA files are
 # made for it), for this process and every process it starts (launchers, spawned ranks, servers). The trained demo
-# model, the package's real default, has its own tests (test_demo_model.py), which name it or unset this.
+# model, once it ships as the package's default (docs/demo-model.md), gets its own tests, which name it or unset this.
 os.environ["DISTVIDEO_MODEL"] = str(REPO / "src" / "distvideo" / "assets" / "tiny-wan")
 
 ONLY_GPU_MAY_SKIP = (
