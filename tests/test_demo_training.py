@@ -43,7 +43,7 @@ def trained(tmp_path_factory) -> Path:
 
 def test_every_stage_logs_and_the_export_generates(trained: Path) -> None:
     records = [json.loads(line) for line in (trained / "log.jsonl").read_text().splitlines()]
-    stages = {r["stage"] for r in records}
+    stages = {r["stage"] for r in records} - {"check-vae"}  # another test of this module may have logged one
     assert stages == {"vae", "latents", "transformer", "export"}, stages
     losses = [r[k] for r in records for k in ("l1", "mse", "loss") if k in r]
     assert losses and all(math.isfinite(v) for v in losses)
