@@ -7,7 +7,7 @@ cfg2, single, ...) so load from other processes hits them alike; items per secon
 the wall time of `generate_batch` (loading excluded), medians over the rounds, and ratios against ``single``.
 ``--sizes`` gives the request sizes (frames x height x width) to compare at.
 
-Resume: a finished batch of ``--resume-items`` items (tiny requests on the embedded model) is run again with
+Resume: a finished batch of ``--resume-items`` items (tiny requests on the tiny random-weight model) is run again with
 `distvideo generate --prompts`: the time until the command returns, nothing left to do, no weights loaded.
 
     python benchmarks/batch.py --rounds 3 --sizes 9x64x64,17x128x128
@@ -52,11 +52,14 @@ def run_layout(model: str, layout: str, size: str, steps: int) -> float:
 
 
 def resume_seconds(items: int) -> dict[str, Any]:
+    from distvideo.models.embedded import tiny_model_path
+
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DISTVIDEO_NO_PROGRESS": "1"}
     with tempfile.TemporaryDirectory() as folder:
         prompts = Path(folder) / "prompts.txt"
         prompts.write_text("\n".join(f"prompt number {i}" for i in range(items)) + "\n")
         argv = [sys.executable, "-m", "distvideo", "generate", "--prompts", str(prompts), "--output", f"{folder}/out"]
+        argv += ["--model", str(tiny_model_path())]
         argv += ["--num-frames", "5", "--height", "32", "--width", "32", "--steps", "1", "--no-progress"]
         first = time.perf_counter()
         subprocess.run(argv, check=True, env=env, capture_output=True)

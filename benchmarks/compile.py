@@ -16,6 +16,7 @@ import numpy as np
 
 from distvideo import VideoGenerator
 from distvideo.config import EngineConfig
+from distvideo.models.embedded import tiny_model_path
 
 PROMPT = "a red fox running through snow"
 
@@ -32,13 +33,15 @@ def _run(gen: VideoGenerator, shape: tuple[int, int, int], steps: int) -> tuple[
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="checkpoint folder (default: the embedded tiny model)")
+    parser.add_argument("--model", default=None, help="checkpoint folder (default: the tiny random-weight model)")
     parser.add_argument("--shapes", default="9x48x64,17x128x128", help="FRAMESxHEIGHTxWIDTH, comma separated")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--runs", type=int, default=5, help="warm runs of each side, interleaved")
     args = parser.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    base = EngineConfig(model=args.model, executor="inline", progress=False, log_level="WARNING")
+    base = EngineConfig(
+        model=args.model or str(tiny_model_path()), executor="inline", progress=False, log_level="WARNING"
+    )
     eager = VideoGenerator.from_config(base)
     compiled = VideoGenerator.from_config(EngineConfig(**{**vars(base), "compile": True}))
     print(

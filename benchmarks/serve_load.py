@@ -2,7 +2,7 @@
 to the end before submitting the next; a 429 is that job's answer (counted, not retried: the client waits Retry-After
 before its next job). Every status call made while the client's job was generating is timed.
 
-    .venv/bin/python benchmarks/serve_load.py                       # an inline server on the embedded model, port 0
+    .venv/bin/python benchmarks/serve_load.py                       # an inline server on the tiny random-weight model, port 0
     .venv/bin/python benchmarks/serve_load.py --url http://127.0.0.1:8000 --clients 10 --jobs 40
 
 Prints one JSON report: jobs accepted / refused with 429 / completed / failed / lost, duplicated ids, and the status
@@ -119,11 +119,14 @@ def run_load(
 
 @contextmanager
 def local_server(max_queue: int) -> Iterator[str]:
-    """An inline `distvideo serve` on the embedded model, on a port it chooses; yields its URL."""
+    """An inline `distvideo serve` on the tiny random-weight model, on a port it chooses; yields its URL."""
+    from distvideo.models.embedded import tiny_model_path
+
     distvideo = Path(sys.executable).parent / "distvideo"
     with tempfile.TemporaryDirectory() as folder:
         log = Path(folder) / "server.log"
         cmd = [str(distvideo), "serve", "--executor", "inline", "--port", "0", "--output", folder, "--no-progress"]
+        cmd += ["--model", str(tiny_model_path())]
         with log.open("wb") as sink:
             proc = subprocess.Popen([*cmd, "--max-queue", str(max_queue)], stdout=sink, stderr=subprocess.STDOUT)
         try:
@@ -141,7 +144,7 @@ def local_server(max_queue: int) -> Iterator[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--url", help="a running server (default: start an inline one on the embedded model)")
+    parser.add_argument("--url", help="a running server (default: start an inline one on the tiny random-weight model)")
     parser.add_argument("--clients", type=int, default=10)
     parser.add_argument("--jobs", type=int, default=40)
     parser.add_argument("--max-queue", type=int, default=4, help="for the server this script starts")
