@@ -1,4 +1,4 @@
-# Quick start: `make demo` (set up .venv, generate a video with the embedded model) and `make test`.
+# Quick start: `make demo` (set up .venv, generate a video with the embedded demo model) and `make test`.
 VENV := .venv
 PY := $(VENV)/bin/python
 SRC := src/distvideo
@@ -12,7 +12,7 @@ system-deps:
 	@bash scripts/install_system_deps.sh
 
 demo: setup
-	@$(VENV)/bin/distvideo generate --prompt "a red fox running through snow" --output outputs/ --no-progress
+	@$(VENV)/bin/distvideo generate --prompt "a red ball moving right on a black background" --output outputs/ --no-progress
 
 lint: setup
 	$(VENV)/bin/ruff check src tests benchmarks scripts examples

@@ -18,7 +18,9 @@ from distvideo import VideoGenerator
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default=None, help="diffusers-format Wan2.1 folder (default: embedded tiny model)")
+    parser.add_argument(
+        "--model", default=None, help="diffusers-format Wan2.1 folder (default: the embedded demo model)"
+    )
     parser.add_argument("--num-gpus", type=int, default=None)
     parser.add_argument("--prompt", default="a red fox running through fresh snow, golden hour")
     parser.add_argument("--output", default="outputs/")

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 import numpy as np
 
 from distvideo import VideoGenerator
+from distvideo.models.embedded import DEMO_MODEL_DIR
 from distvideo.testing.shapes import Caption, all_captions, parse_caption
 from distvideo.testing.video_check import check_video
 
@@ -67,7 +68,7 @@ def contact_sheet(rows: list[tuple[str, np.ndarray]], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="model folder (default: the embedded demo model)")
+    parser.add_argument("--model", type=Path, default=DEMO_MODEL_DIR, help="model folder (default: the demo model)")
     parser.add_argument("--captions", type=int, default=None, help="how many captions, picked at random (default all)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the caption pick and of every request")
     parser.add_argument("--sheet", type=Path, default=None, help="write the contact sheet PNG here")

@@ -77,7 +77,7 @@ class EngineConfig:
 
     model: str | None = _option(
         "diffusers-format checkpoint folder, or a Hugging Face repo id resolved through the hub cache (default: "
-        "DISTVIDEO_MODEL, else the embedded tiny model)"
+        "DISTVIDEO_MODEL, else the embedded demo model)"
     )
     num_gpus: int | None = _option("number of ranks (default 1, or the launcher's world size)")
     executor: str = _option("how ranks exist", "auto", choices=EXECUTORS)

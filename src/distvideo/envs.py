@@ -65,7 +65,7 @@ _declare(
     "DISTVIDEO_MODEL",
     _str,
     None,
-    "Model (folder or Hugging Face repo id) used when none is given. Unset: the embedded tiny model.",
+    "Model (folder or Hugging Face repo id) used when none is given. Unset: the embedded demo model.",
 )
 _declare(
     "DISTVIDEO_NUM_THREADS",

@@ -1,4 +1,4 @@
-"""The models shipped as package data: the embedded default model and the tiny random-weight model."""
+"""The models shipped as package data: the embedded default (the trained demo model) and the tiny random one."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ _ASSETS = Path(__file__).resolve().parent.parent / "assets"
 #: The tiny random-weight model (draws noise): the test suite's fast model, rebuilt byte for byte by
 #: ``scripts/make_embedded_model.py``.
 TINY_MODEL_DIR = _ASSETS / "tiny-wan"
-#: Where the trained demo model (docs/demo-model.md, issue 18) will ship. It is not trained yet; once it is, it
-#: becomes the embedded default here and the tiny model stays the suite's model (tests/conftest.py).
+#: The demo model: a small Wan2.1-architecture model trained on moving shapes (docs/demo-model.md), made by
+#: ``scripts/train_demo_model.py``. It is the embedded default; the suite keeps the tiny model (tests/conftest.py).
 DEMO_MODEL_DIR = _ASSETS / "demo-wan"
 #: The embedded default model: the model used when none is given (and DISTVIDEO_MODEL is unset).
-EMBEDDED_MODEL_DIR = TINY_MODEL_DIR
+EMBEDDED_MODEL_DIR = DEMO_MODEL_DIR
 
 
 def _shipped(path: Path, what: str, remedy: str) -> Path:
@@ -23,8 +23,8 @@ def _shipped(path: Path, what: str, remedy: str) -> Path:
 
 
 def embedded_model_path() -> Path:
-    """Path of the embedded default model shipped with the package (for now the tiny random-weight one)."""
-    return _shipped(EMBEDDED_MODEL_DIR, "embedded model", "regenerate it with `python scripts/make_embedded_model.py`")
+    """Path of the embedded default model shipped with the package: the trained demo model."""
+    return _shipped(EMBEDDED_MODEL_DIR, "embedded demo model", "reinstall distvideo (see docs/demo-model.md)")
 
 
 def tiny_model_path() -> Path:

@@ -1,0 +1,132 @@
+"""The trained demo model (the embedded default) draws what its captions say, on every executor and layout.
+
+Each video is checked by :func:`distvideo.testing.video_check.check_video`: the dominant non-background colour is the
+caption's, and its centroid moves in the caption's direction by a quarter of the frame or more. The captions are a
+fixed set that covers every colour, shape, direction and background, plus captions picked at random from the
+grammar with a fixed seed (so the test is reproducible; ``scripts/demo_model_report.py`` judges all 168). At least
+90% must pass on each layout, at the model's own defaults (``distvideo_defaults.json``) and seed 0; the parallel
+layouts' frames are also within 2 of the inline ones.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from distvideo import VideoGenerator
+from distvideo.models.embedded import DEMO_MODEL_DIR, embedded_model_path
+from distvideo.testing.shapes import Caption, all_captions
+from distvideo.testing.video_check import check_video
+
+from conftest import REPO, max_abs_diff
+from launchers import format_output, run_launcher
+
+REPORT = REPO / "scripts" / "demo_model_report.py"
+PASS_RATE = 0.9
+SEED = 0
+
+#: every colour, shape, direction and background at least twice
+FIXED = [
+    Caption("red", "ball", "right", "black"),
+    Caption("green", "square", "left", "white"),
+    Caption("blue", "triangle", "up", "gray"),
+    Caption("yellow", "ball", "down", "black"),
+    Caption("white", "square", "right", "gray"),
+    Caption("red", "triangle", "down", "white"),
+    Caption("green", "ball", "up", "gray"),
+    Caption("blue", "square", "left", "black"),
+    Caption("yellow", "triangle", "left", "gray"),
+    Caption("white", "ball", "up", "black"),
+    Caption("blue", "ball", "right", "white"),
+    Caption("yellow", "square", "up", "white"),
+]
+RANDOM = random.Random(20261202).sample([c for c in all_captions() if c not in FIXED], 12)
+CAPTIONS = FIXED + RANDOM
+#: the captions the parallel layouts run (each layout costs a generation per caption; 10, so that 90% allows one miss)
+PARALLEL = FIXED[:5] + RANDOM[:5]
+
+
+def _pass_rate(frames_by_caption: dict[str, np.ndarray]) -> tuple[float, list[str]]:
+    results = [check_video(frames, text) for text, frames in frames_by_caption.items()]
+    failures = [f"{r.caption}: {r.reason}" for r in results if not r.ok]
+    return 1 - len(failures) / len(results), failures
+
+
+def _generate(gen: VideoGenerator, captions: list[Caption]) -> dict[str, np.ndarray]:
+    return {c.text: gen.generate(c.text, seed=SEED, save_video=False).frames for c in captions}
+
+
+@pytest.fixture(scope="module")
+def inline_frames() -> dict[str, np.ndarray]:
+    # named: the suite's DISTVIDEO_MODEL is the tiny model (conftest.py); the next test checks it is the default
+    with VideoGenerator.from_pretrained(DEMO_MODEL_DIR, executor="inline") as gen:
+        return _generate(gen, CAPTIONS)
+
+
+def test_the_default_model_is_the_trained_demo_model(monkeypatch) -> None:
+    monkeypatch.delenv("DISTVIDEO_MODEL")  # the suite sets it to the tiny model (conftest.py)
+    from distvideo.config import EngineConfig
+    from distvideo.executors.select import resolve_engine
+
+    root = embedded_model_path()
+    assert resolve_engine(EngineConfig()).model.path == root.resolve()
+    assert root == DEMO_MODEL_DIR
+    total = sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+    assert total < 20 * 2**20, f"the demo model is {total} bytes"
+    defaults = json.loads((root / "distvideo_defaults.json").read_text())
+    assert defaults["num_frames"] >= 17 and defaults["height"] == defaults["width"] == 64
+
+
+def test_inline_frames_match_their_captions(inline_frames) -> None:
+    rate, failures = _pass_rate(inline_frames)
+    print(f"FIGURE demo model, inline: {rate:.0%} of {len(inline_frames)} captions pass; failures: {failures}")
+    assert rate >= PASS_RATE, failures
+
+
+def test_a_changed_caption_fails_the_check(inline_frames) -> None:
+    """The check can fail: the same frames judged against another colour or the opposite direction do not pass."""
+    opposite = {"left": "right", "right": "left", "up": "down", "down": "up"}
+    for caption in FIXED[:4]:
+        frames = inline_frames[caption.text]
+        other_colour = next(c for c in ("red", "green", "blue") if c != caption.color)
+        assert not check_video(frames, Caption(other_colour, caption.shape, caption.direction, caption.background))
+        assert not check_video(
+            frames, Caption(caption.color, caption.shape, opposite[caption.direction], caption.background)
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("sp_size", "cfg_parallel"), [(1, True), (2, False)], ids=["cfg2", "sp2"])
+def test_mp_layouts_draw_the_captions(inline_frames, sp_size, cfg_parallel) -> None:
+    with VideoGenerator.from_pretrained(
+        DEMO_MODEL_DIR, executor="mp", num_gpus=2, sp_size=sp_size, cfg_parallel=cfg_parallel
+    ) as gen:
+        frames = _generate(gen, PARALLEL)
+    for text, video in frames.items():
+        assert max_abs_diff(video, inline_frames[text]) <= 2, text
+    rate, failures = _pass_rate(frames)
+    assert rate >= PASS_RATE, failures
+
+
+@pytest.mark.slow
+@pytest.mark.launcher
+def test_torchrun_sp2_cfg2_draws_the_captions(tmp_path: Path, inline_frames) -> None:
+    """The report script itself, as a user runs it under a launcher (4 ranks: sp=2 x cfg=2)."""
+    out = tmp_path / "results.json"
+    argv = [str(REPORT), "--model", str(DEMO_MODEL_DIR), "--executor", "external", "--sp-size", "2"]
+    argv += ["--cfg-parallel", "--json", str(out), "--frames", str(tmp_path)]
+    for caption in PARALLEL:
+        argv += ["--caption", caption.text]
+    proc = run_launcher("torchrun", argv, nproc=4, timeout=400)
+    assert proc.returncode == 0, format_output(proc)
+    results = json.loads(out.read_text())
+    assert [r["caption"] for r in results] == [c.text for c in PARALLEL]
+    for i, caption in enumerate(PARALLEL):
+        video = np.load(tmp_path / f"{i:03d}.npy")
+        assert max_abs_diff(video, inline_frames[caption.text]) <= 2, caption.text
+    failures = [f"{r['caption']}: {r['reason']}" for r in results if not r["ok"]]
+    assert 1 - len(failures) / len(results) >= PASS_RATE, failures
