@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -139,6 +140,21 @@ def test_failed_items_are_recorded_and_the_batch_goes_on(tmp_path, capsys):
     assert records[1]["status"] == "failed" and "height=50" in records[1]["error"]
     assert records[0]["status"] == records[2]["status"] == "done"
     assert "2 done (0 from earlier runs), 1 failed, of 3" in capsys.readouterr().out
+
+
+def test_the_batch_log_counts_the_items_done(tmp_path, caplog):
+    """With --no-progress (a Slurm log) every finished item logs a line with the count so far (it said 0 until the
+    end: a disabled tqdm bar counts nothing)."""
+    out = tmp_path / "out"
+    argv = ["generate", "--prompts", str(write_prompts(tmp_path, PROMPTS[:3])), "--output", str(out), *SMALL]
+    log = logging.getLogger("distvideo.batch.run")  # the distvideo logger does not propagate to caplog's root
+    log.addHandler(caplog.handler)
+    try:
+        assert main([*argv, "--executor", "inline"]) == 0
+    finally:
+        log.removeHandler(caplog.handler)
+    counts = [r.getMessage().split(" items done")[0] for r in caplog.records if " items done (" in r.getMessage()]
+    assert counts == ["batch: 1 of 3", "batch: 2 of 3", "batch: 3 of 3"]
 
 
 @pytest.mark.parametrize(

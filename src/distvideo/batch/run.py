@@ -259,6 +259,7 @@ class _Progress:
         from tqdm.auto import tqdm
 
         self.per_replica = [0] * replicas
+        self.done = 0  # counted here: a disabled tqdm bar (--no-progress) counts nothing
         self.start = time.monotonic()
         self.bar = tqdm(total=total, desc="batch", unit="item", file=sys.stderr, disable=not enabled)
         self.log = not enabled and total > 0
@@ -266,12 +267,13 @@ class _Progress:
     def item_done(self, replica: int) -> None:
         if 0 <= replica < len(self.per_replica):
             self.per_replica[replica] += 1
+        self.done += 1
         self.bar.update()
         elapsed = max(time.monotonic() - self.start, 1e-9)
         rates = ", ".join(f"r{r}: {n / elapsed * 60:.1f}/min" for r, n in enumerate(self.per_replica))
         self.bar.set_postfix_str(rates, refresh=False)
         if self.log:
-            logger.info("batch: %d of %d items done (%s)", self.bar.n, self.bar.total, rates)
+            logger.info("batch: %d of %d items done (%s)", self.done, self.bar.total, rates)
 
     def close(self) -> None:
         self.bar.close()

@@ -27,10 +27,13 @@ def collective(what: str) -> Iterator[None]:
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.uint8)
 
 
-def broadcast_tensors(tensors: Sequence[torch.Tensor] | None, *, src: int, device: torch.device) -> list[torch.Tensor]:
-    """Rank `src`'s `tensors` on every rank of the default group (the others pass None): their count, dtypes and
-    shapes first (one small header), then each tensor. Bit-identical copies everywhere."""
-    with collective("a broadcast of tensors from rank 0"):
+def broadcast_tensors(
+    tensors: Sequence[torch.Tensor] | None, *, group: dist.ProcessGroup, device: torch.device
+) -> list[torch.Tensor]:
+    """The `tensors` of `group`'s first rank on every rank of `group` (the others pass None): their count, dtypes and
+    shapes first (one small header), then each tensor. Bit-identical copies everywhere. The group is named, never the
+    default one: a replica must not hear another replica's broadcast."""
+    with collective("a broadcast of tensors from the group's first rank"):
         if tensors is not None:
             tensors = [t.contiguous() for t in tensors]
             fields = [len(tensors)]
@@ -40,10 +43,10 @@ def broadcast_tensors(tensors: Sequence[torch.Tensor] | None, *, src: int, devic
             length = torch.tensor([header.numel()], dtype=torch.int64, device=device)
         else:
             length = torch.zeros(1, dtype=torch.int64, device=device)
-        dist.broadcast(length, src=src)
+        dist.broadcast(length, group_src=0, group=group)
         if tensors is None:
             header = torch.empty(int(length.item()), dtype=torch.int64, device=device)
-        dist.broadcast(header, src=src)
+        dist.broadcast(header, group_src=0, group=group)
         if tensors is None:
             fields, tensors, i = header.tolist(), [], 1
             for _ in range(fields[0]):
@@ -51,5 +54,5 @@ def broadcast_tensors(tensors: Sequence[torch.Tensor] | None, *, src: int, devic
                 tensors.append(torch.empty(fields[i + 2 : i + 2 + ndim], dtype=dtype, device=device))
                 i += 2 + ndim
         for t in tensors:
-            dist.broadcast(t, src=src)
+            dist.broadcast(t, group_src=0, group=group)
     return list(tensors)

@@ -118,14 +118,17 @@ class ParallelContext:
 
     # -- image conditioning --------------------------------------------------------------------------------
     def computed_once(self, compute: Callable[[], list[torch.Tensor]]) -> list[torch.Tensor]:
-        """`compute()` on rank 0 only, its tensors broadcast to every rank: the image conditioning (CLIP tokens, the
-        VAE encode of the given frame), which every rank needs whole and alike. Measured against every rank computing
-        it itself: benchmarks/conditioning.py, docs/families.md."""
-        if self.rank == 0:
+        """`compute()` on the first rank of this rank's replica only, its tensors broadcast over the replica: the image
+        conditioning (CLIP tokens, the VAE encode of the given frame), which every rank of the replica needs whole and
+        alike. Replicas run different requests, so the broadcast never leaves the replica. Measured against every rank
+        computing it itself: benchmarks/conditioning.py, docs/families.md."""
+        if self.layout.replica_size == 1:
+            return compute()  # a replica of one rank: nobody to share with
+        if self.groups.replica_rank == 0:
             self.counts["conditioning_computed"] += 1
-            return broadcast_tensors(compute(), src=0, device=self.device)
+            return broadcast_tensors(compute(), group=self.groups.replica, device=self.device)
         self.counts["conditioning_received"] += 1
-        return broadcast_tensors(None, src=0, device=self.device)
+        return broadcast_tensors(None, group=self.groups.replica, device=self.device)
 
     # -- decoding ------------------------------------------------------------------------------------------
     @property
