@@ -142,18 +142,21 @@ def test_failed_items_are_recorded_and_the_batch_goes_on(tmp_path, capsys):
     assert "2 done (0 from earlier runs), 1 failed, of 3" in capsys.readouterr().out
 
 
-def test_the_batch_log_counts_the_items_done(tmp_path, caplog):
+def test_the_batch_log_counts_the_items_done(tmp_path):
     """With --no-progress (a Slurm log) every finished item logs a line with the count so far (it said 0 until the
     end: a disabled tqdm bar counts nothing)."""
     out = tmp_path / "out"
     argv = ["generate", "--prompts", str(write_prompts(tmp_path, PROMPTS[:3])), "--output", str(out), *SMALL]
-    log = logging.getLogger("distvideo.batch.run")  # the distvideo logger does not propagate to caplog's root
-    log.addHandler(caplog.handler)
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+    log = logging.getLogger("distvideo.batch.run")
+    log.addHandler(handler)
     try:
         assert main([*argv, "--executor", "inline"]) == 0
     finally:
-        log.removeHandler(caplog.handler)
-    counts = [r.getMessage().split(" items done")[0] for r in caplog.records if " items done (" in r.getMessage()]
+        log.removeHandler(handler)
+    counts = [m.split(" items done")[0] for m in messages if " items done (" in m]
     assert counts == ["batch: 1 of 3", "batch: 2 of 3", "batch: 3 of 3"]
 
 

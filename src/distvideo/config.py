@@ -185,7 +185,7 @@ class GenerationRequest:
     guidance_scale_2: float | None = None
     boundary_ratio: float | None = None
     seed: int = 0
-    fps: int = 16
+    fps: int | None = None
     output_path: str | None = None
     save_video: bool = True
     return_frames: bool = True
@@ -229,7 +229,7 @@ class GenerationRequest:
             from distvideo.media import check_image_type
 
             check_image_type(self.image)
-        for name in ("seed", "fps", "max_sequence_length"):
+        for name in ("seed", "max_sequence_length"):
             if getattr(self, name) is None:
                 raise ConfigError(f"{name}: expected an integer, got None")
         _check_int("seed", self.seed, minimum=0)

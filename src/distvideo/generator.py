@@ -167,7 +167,7 @@ class VideoGenerator:
             guidance_scale_2=guidance_scale_2,
             boundary_ratio=boundary_ratio,
             seed=seed,
-            fps=fps if fps is not None else int(self.model_info.defaults.get("fps", 16)),
+            fps=fps,
             output_path=output_path,
             save_video=save_video,
             return_frames=return_frames,
@@ -194,7 +194,6 @@ class VideoGenerator:
         that holds them); a failed item is a result with its error, the batch goes on (docs/batch.md)."""
         from distvideo.batch import plan_batch, run_batch
 
-        defaults.setdefault("fps", int(self.model_info.defaults.get("fps", 16)))  # the family's frame rate
         template = GenerationRequest(prompt="-", **defaults)  # the item's fields go on top
         plan = plan_batch(items, self.model_info, folder=output_dir, defaults=template, batch_seed=batch_seed)
         show = bool(self.config.progress) if progress is None else progress

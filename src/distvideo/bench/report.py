@@ -54,6 +54,7 @@ def build_report(
             "steps": request.num_inference_steps,
             "guidance_scale": request.guidance_scale,
             "seed": request.seed,
+            "fps": request.fps,
             "runs": plan.runs,
             "warmup": plan.warmup,
             "compare": plan.compare,

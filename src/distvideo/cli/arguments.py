@@ -97,15 +97,6 @@ def add_request_arguments(parser: argparse.ArgumentParser, defaults: dict[str, A
         parser.set_defaults(**defaults)
 
 
-def request_fields_given(args: argparse.Namespace) -> set[str]:
-    """The GenerationRequest fields set by a flag or by the config file's request section (the rest take the model's
-    defaults, `fps` included)."""
-    given = {name for name in REQUEST_FLAGS if getattr(args, name, None) is not None}
-    if getattr(args, "config", None):
-        given |= set(load_config_file(args.config)["request"])
-    return given
-
-
 def engine_config_from_args(args: argparse.Namespace) -> tuple[EngineConfig, dict[str, Any]]:
     """The EngineConfig from --config's 'engine' section and the engine flags (validated), and the file's 'request'
     section as it was read (checked values)."""

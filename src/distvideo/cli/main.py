@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import sys
 from collections.abc import Sequence
@@ -14,7 +13,6 @@ from distvideo.cli.arguments import (
     add_request_arguments,
     configs_from_args,
     engine_config_from_args,
-    request_fields_given,
 )
 from distvideo.cli.signals import Terminated, install_signal_handlers, restore_signal_handlers
 from distvideo.errors import ConfigError
@@ -71,8 +69,6 @@ def cmd_batch(args: argparse.Namespace) -> int:
     args.prompt = "-"  # each item brings its own
     engine_config, defaults = configs_from_args(args)
     engine = resolve_engine(engine_config)
-    if "fps" not in request_fields_given(args):
-        defaults = dataclasses.replace(defaults, fps=int(engine.model.defaults.get("fps", defaults.fps)))
     raw = read_prompt_file(args.prompts)
     # every item checked, and the manifest read, before any process starts or weight loads
     plan = plan_batch(raw, engine.model, folder=folder, defaults=defaults, batch_seed=args.batch_seed)
@@ -103,8 +99,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     engine_config, request = configs_from_args(args)
     engine = resolve_engine(engine_config)
-    if "fps" not in request_fields_given(args):
-        request = dataclasses.replace(request, fps=int(engine.model.defaults.get("fps", request.fps)))
     # check the request against the model's JSON files before any process starts or weight loads; under a launcher
     # the image file is read later, on every rank at once, so a file missing on one node is refused on all of them
     # (exiting here on that node alone would leave the others waiting for it at the rendezvous)

@@ -3,6 +3,7 @@ queued. The model's own rules come from `ModelInfo.resolve_request` (the same ch
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,6 +72,10 @@ class Admission:
             raise ApiError(422, f"lora.name={body.lora.name!r} is not registered; registered: {known}", param="lora")
         request = self._request(body, job_id, image_path)
         try:
+            if body.seconds is not None:  # a duration: frames at the request's rate, which the model's defaults decide
+                fps = self.model.resolve_request(dataclasses.replace(request, num_frames=None), read_image=False).fps
+                assert fps is not None
+                request = dataclasses.replace(request, num_frames=self._frames_of(body, fps))
             resolved = self.model.resolve_request(request)
         except ConfigError as exc:
             raise ApiError(422, str(exc), param=self._param_of(exc, body)) from None
@@ -98,8 +103,6 @@ class Admission:
         if body.size is not None:
             width, height = (int(v) for v in body.size.split("x"))
             values.update(width=width, height=height)
-        if body.seconds is not None:
-            values["num_frames"] = self._frames_of(body, int(values.get("fps", 16)))
         if image_path is not None:
             values["image"] = image_path
         return GenerationRequest(

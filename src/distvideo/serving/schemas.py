@@ -35,7 +35,9 @@ class VideoCreate(BaseModel):
         None, description="duration: num_frames = seconds x fps + 1 (give seconds or num_frames)"
     )
     num_frames: int | None = Field(None, ge=1, le=100000, description="frames (for Wan: of the form 4k+1)")
-    fps: int | None = Field(None, ge=1, le=240, description="frames per second (default 16)")
+    fps: int | None = Field(
+        None, ge=1, le=240, description="frames per second (default: the model's, 16 for Wan2.1, 24 for Wan2.2 TI2V-5B)"
+    )
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="noise seed (default 0): same seed, same video")
     num_inference_steps: int | None = Field(None, ge=1, le=100000, description="denoising steps")
     guidance_scale: float | None = Field(None, ge=0, lt=10000, allow_inf_nan=False, description="CFG scale")
