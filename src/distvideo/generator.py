@@ -212,7 +212,7 @@ class VideoGenerator:
         try:  # bad input fails here, before any work
             resolved, invalid = self.model_info.resolve_request(request), None
             if executor.is_output_rank and resolved.save_video:  # the writer's problems too, not after generating
-                assert resolved.width is not None and resolved.height is not None
+                assert resolved.width is not None and resolved.height is not None and resolved.fps is not None
                 check_video_output(
                     resolved.output_path, resolved.prompt, resolved.seed, resolved.width, resolved.height, resolved.fps
                 )
@@ -232,6 +232,7 @@ class VideoGenerator:
         if executor.is_output_rank and request.save_video and frames is not None:
             t0 = time.perf_counter()
             target = resolve_output_path(request.output_path, request.prompt, request.seed)
+            assert request.fps is not None  # resolved
             video_path = str(_write_or_keep(frames, target, request.fps))
             timings["video_writing"] = time.perf_counter() - t0
         timings["total"] = time.perf_counter() - start

@@ -144,7 +144,7 @@ def _for_worker(request: GenerationRequest | None) -> GenerationRequest:
 
 def _finish(item: BatchItem, outcome: Any, folder: Path, *, keep_frames: bool) -> tuple[BatchResult, dict[str, Any]]:
     request = item.request
-    assert request is not None
+    assert request is not None and request.fps is not None  # resolved when the item was planned
     if outcome.output is None or outcome.output.frames is None:
         error = f"{outcome.error_type}: {outcome.error}" if outcome.error_type else "no frames came back"
         return BatchResult(item.index, "failed", None, request.seed, error=error), _record(item, outcome.replica, error)

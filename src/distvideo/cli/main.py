@@ -104,7 +104,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # (exiting here on that node alone would leave the others waiting for it at the rendezvous)
     request = engine.model.resolve_request(request, read_image=engine.executor != "external")
     if request.save_video and engine.launch is None:  # where its video would go, too (launched ranks: later, together)
-        assert request.width is not None and request.height is not None
+        assert request.width is not None and request.height is not None and request.fps is not None
         check_video_output(
             request.output_path, request.prompt, request.seed, request.width, request.height, request.fps
         )

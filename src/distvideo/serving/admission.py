@@ -80,7 +80,7 @@ class Admission:
         except ConfigError as exc:
             raise ApiError(422, str(exc), param=self._param_of(exc, body)) from None
         self._check_limits(resolved, body)
-        assert resolved.num_frames and resolved.width and resolved.height
+        assert resolved.num_frames and resolved.width and resolved.height and resolved.fps
         api = {
             "prompt": resolved.prompt,
             "size": f"{resolved.width}x{resolved.height}",
