@@ -21,6 +21,13 @@ REPO = Path(__file__).resolve().parent.parent
 # model, once it ships as the package's default (docs/demo-model.md), gets its own tests, which name it or unset this.
 os.environ["DISTVIDEO_MODEL"] = str(REPO / "src" / "distvideo" / "assets" / "tiny-wan")
 
+# The suite runs on the CPU on every machine, one with GPUs included: its frames, its gloo groups and its exact
+# comparisons are CPU ones, and a rank that found a GPU would take it (select_device). Hidden here, before anything
+# initialises CUDA, for this process and every process it starts. A test about CUDA is marked `gpu` and starts its
+# processes with VISIBLE_GPUS (the machine's own setting, None when it had none).
+VISIBLE_GPUS = os.environ.get("CUDA_VISIBLE_DEVICES")
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
 ONLY_GPU_MAY_SKIP = (
     "only tests that need hardware this machine cannot have may skip (marked `gpu`, or `onednn` on a CPU oneDNN does "
     "not support); a test the machine cannot run fails instead: install what the reason names (make setup; make "
