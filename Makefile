@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 SRC := src/distvideo
 
-.PHONY: setup system-deps demo test lint typecheck pytest clean
+.PHONY: setup system-deps demo test test-fast lint typecheck pytest clean
 
 setup:
 	@bash scripts/setup_venv.sh
@@ -25,6 +25,12 @@ pytest: setup system-deps
 	$(PY) -m pytest -q --durations=15 tests
 
 test: setup system-deps lint typecheck pytest
+
+# The inner loop: no system packages, no root, no launchers, nothing marked slow (docs: CONTRIBUTING.md)
+FAST := not slow and not launcher and not slurm and not mpi and not fuse
+test-fast: setup
+	$(VENV)/bin/ruff check src tests
+	$(PY) -m pytest -q -x -p no:randomly -m "$(FAST)" tests
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache .mypy_cache .ruff_cache
