@@ -1,17 +1,23 @@
 """The external-launcher executor under real torchrun, srun and mpirun (CPU, gloo, 2 ranks).
 
 Each launcher runs (1) the `distvideo generate` command, which must write exactly one video, byte-identical
-to the single-process run's, and (2) a script exercising the API: output only on rank 0, a failure
-planted on rank 1 raising the same error on both ranks, divergent prompts refused on every rank.
+to the single-process run's, and leave no gloo thread alive when its ranks' interpreters exit, and (2) a script
+exercising the API: output only on rank 0, a failure planted on rank 1 raising the same error on both ranks, divergent
+prompts refused on every rank.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
+import os
 import sys
+import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
+import torch.distributed
 
 from distvideo import VideoGenerator
 from distvideo.cli.main import main
@@ -46,13 +52,65 @@ def single_process_video(tmp_path_factory) -> bytes:
     return out.read_bytes()
 
 
+# Imported at start-up by every Python process whose PYTHONPATH starts with its folder: at interpreter exit (atexit
+# runs before finalization), a process that ran distvideo's worker writes the names of its OS threads.
+EXIT_THREADS_PROBE = """
+import atexit, json, os, sys
+
+def _report():
+    if "distvideo.worker" not in sys.modules:  # the launcher's own Python process (torchrun's agent)
+        return
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:
+            pass
+    with open(os.path.join(os.environ["DISTVIDEO_TEST_EXIT_THREADS"], f"{os.getpid()}.json"), "w") as f:
+        json.dump(names, f)
+
+atexit.register(_report)
+"""
+
+
+def gloo_thread_names() -> list[str]:
+    """This process's OS threads that belong to gloo (named by torch: pt_gloo_runloop, gloo_tcp_loop)."""
+    names = [Path(f"/proc/self/task/{tid}/comm").read_text().strip() for tid in os.listdir("/proc/self/task")]
+    return sorted(n for n in names if "gloo" in n)
+
+
+def exit_threads_probe(folder: Path) -> dict[str, str]:
+    """The environment that makes launched ranks report their threads at exit into `folder` (one JSON per process)."""
+    (folder / "site").mkdir(parents=True)
+    (folder / "site" / "sitecustomize.py").write_text(textwrap.dedent(EXIT_THREADS_PROBE))
+    (folder / "reports").mkdir()
+    return {
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(folder / "site"), os.environ.get("PYTHONPATH")])),
+        "DISTVIDEO_TEST_EXIT_THREADS": str(folder / "reports"),
+    }
+
+
 @pytest.mark.parametrize("launcher", LAUNCH_PARAMS)
 def test_generate_command_writes_one_video_equal_to_single_process(launcher, tmp_path, single_process_video):
+    """Also: no gloo thread is alive when a rank's interpreter exits. A process group that outlived
+    VideoGenerator.shutdown() has its worker threads running into interpreter finalization, where one still freeing
+    its last collective's tensors (that takes the GIL) is ended by CPython and aborts the rank: "terminate called
+    without an active exception", exit -6 after a successful run (issue 26). That abort is a race; a group alive at
+    exit is not."""
+    # the names looked for below are the ones this torch gives gloo's threads: a live one-rank group has them
+    group = torch.distributed.ProcessGroupGloo(torch.distributed.HashStore(), 0, 1, datetime.timedelta(seconds=30))
+    assert gloo_thread_names(), "a live gloo group shows no thread named *gloo*: update gloo_thread_names()"
+    del group
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     argv = ["-m", "distvideo", "generate", "--prompt", "a red fox", "--output", str(out_dir / "v.mp4"), *SMALL]
-    proc = run_launcher(launcher, argv, nproc=2, timeout=300)
+    proc = run_launcher(launcher, argv, nproc=2, env=exit_threads_probe(tmp_path / "probe"), timeout=300)
     assert proc.returncode == 0, format_output(proc)
+    reports = [json.loads(p.read_text()) for p in sorted((tmp_path / "probe" / "reports").iterdir())]
+    assert len(reports) == 2, f"one exit report per rank, got {len(reports)}\n{format_output(proc)}"
+    left = [sorted(n for n in names if "gloo" in n) for names in reports]
+    assert left == [[], []], f"gloo threads alive at interpreter exit (a process group outlived shutdown): {left}"
     assert sorted(p.name for p in out_dir.iterdir()) == ["v.mp4"], "exactly one video, written by rank 0"
     assert proc.stdout.split().count(str(out_dir / "v.mp4")) == 1, "only rank 0 prints the path"
     # 2 ranks split only the CFG branches here (bit-exact), and the encoder is deterministic: the very same file

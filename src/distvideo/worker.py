@@ -187,18 +187,34 @@ class Worker:
             logger.info("%s", self.pipeline.offload.describe())
 
     def shutdown(self, *, broken: bool = False) -> None:
-        """Release the pipeline and the process groups. `broken`: a collective failed (a peer died, timed out or left),
-        so nothing that could wait on a peer may run: gloo groups are freed (a local operation that also closes this
-        rank's connections, so peers still waiting on it fail at once instead of at their timeout), NCCL groups are
-        aborted rather than destroyed, and any error is logged, not raised."""
+        """Release the pipeline and the process groups; when it returns, every group this worker created is destructed
+        and its threads are joined. `broken`: a collective failed (a peer died, timed out or left), so nothing that
+        could wait on a peer may run: gloo groups are freed (a local operation that also closes this rank's
+        connections, so peers still waiting on it fail at once instead of at their timeout), NCCL groups are aborted
+        rather than destroyed, and any error is logged, not raised.
+
+        Why the groups must be gone here, not merely unregistered: a gloo group's worker thread can still hold the last
+        collective's work after the call returned on this thread, and freeing that work's tensors takes the GIL. A
+        group that outlives shutdown (the plans' patched forwards and hooks close over the parallel context in
+        reference cycles, so only the cyclic garbage collector frees it: on the CLI's way out, the collection inside
+        interpreter finalization) keeps its threads running into finalization, where CPython ends any thread that asks
+        for the GIL (pthread_exit); the unwind through torch's noexcept decref calls std::terminate, and a rank whose
+        video was written aborts ("terminate called without an active exception", exit -6; issue 26). A group's
+        destructor joins its threads, each first dropping its work, while the interpreter is still whole."""
+        undo, self._undo_plans = self._undo_plans, None
+        if undo is not None:
+            try:
+                undo()  # the modules as loaded: no hook or patched forward refers to the parallel context any more
+            except Exception:
+                logger.warning("rank %d: undoing the plans at shutdown failed", self.rank, exc_info=True)
         self.pipeline = None
         self.cpu_group = None
         self.parallel = None
         self.lora = {}
-        self._undo_plans = None
         if self.process_group_initialized and torch.distributed.is_initialized():
             if not broken:
                 torch.distributed.destroy_process_group()
+                gc.collect()  # a group in any other reference cycle (none known once the plans are undone): now, not at exit
                 logger.debug("rank %d: process group destroyed", self.rank)
             else:
                 try:
@@ -207,7 +223,7 @@ class Worker:
                         abort()
                     else:
                         torch.distributed.destroy_process_group()
-                    gc.collect()  # the groups' last references may sit in reference cycles (modules, hooks)
+                    gc.collect()  # as above; here it also closes this rank's connections, releasing waiting peers
                     logger.debug("rank %d: broken process group released", self.rank)
                 except Exception:
                     logger.debug("releasing a broken process group failed", exc_info=True)

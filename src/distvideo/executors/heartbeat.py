@@ -133,10 +133,10 @@ class Heartbeat:
         """Stop the thread and close both connections now. A connection left to the garbage collector keeps rank 0's
         store alive, and a later process group on the same port (a new VideoGenerator) would find its stale keys.
 
-        The join waits as long as one store call can block: a thread left inside a call of the store's C++ client
-        when the interpreter exits is killed by it there, and the process aborts ("terminate called without an
-        active exception"; a rank aborted so once, at exit under heavy load, when this join gave up after 2 s: the
-        likeliest cause found, not a proven one)."""
+        The join waits as long as one store call can block: a thread still inside a call of the store's C++ client
+        when the interpreter finalizes is ended by CPython as it takes the GIL back, inside C++, and the process
+        aborts ("terminate called without an active exception"). The abort of issue 26 was a gloo thread of the same
+        kind, not this one (Worker.shutdown)."""
         self._stopped.set()
         self._thread.join(timeout=STORE_TIMEOUT_S + 2.0)
         if self._thread.is_alive():
