@@ -51,7 +51,7 @@ BOUNDS = [
     ({"max_sequence_length": 1025}, "max_sequence_length"),
     ({"fps": 241}, "fps"),
     ({"height": 8193}, "height"),
-    ({"num_frames": 4_000_001}, "num_frames"),
+    ({"num_frames": 4098}, "num_frames"),  # config.MAX_FRAMES + 1
     ({"output_path": "out/a\x00b.mp4"}, "NUL"),
     ({"output_path": "out/" + "x" * 300 + ".mp4"}, "names are limited to 255"),
 ]
@@ -212,21 +212,25 @@ def test_write_video_is_unchanged_by_the_checks(tmp_path):
 
 
 # --- LoRA values and the adapter cache -------------------------------------------------------------------------------
-def _lora(tmp_path: Path, name: str, **changes) -> Path:
+def _lora(tmp_path: Path, name: str, **changes) -> tuple[Path, str]:
+    """A valid adapter file with one change; returns its path and the key (for "rank0": the layer) the change hit."""
     layers = random_lora_layers(tiny_model_path(), rank=2, seed=3)
     path = save_lora_file(tmp_path / f"{name}.safetensors", layers, alpha=2.0)
     tensors = load_file(path)
-    key = sorted(tensors)[0]
+    matrix = next(k for k in sorted(tensors) if k.endswith("lora_B.weight"))
+    changed = matrix
     if "poison" in changes:
-        tensors[key] = tensors[key].clone()
-        tensors[key].view(-1)[0] = changes["poison"]
+        tensors[matrix] = tensors[matrix].clone()
+        tensors[matrix].view(-1)[0] = changes["poison"]
     if "alpha" in changes:
-        alpha_key = next(k for k in sorted(tensors) if k.endswith("alpha"))
-        tensors[alpha_key] = torch.tensor(changes["alpha"])
-    if changes.get("rank0"):
-        tensors = {k: (v[:0] if "lora_A" in k else v[:, :0] if "lora_B" in k else v) for k, v in tensors.items()}
+        changed = sorted(k for k in tensors if k.endswith("alpha"))[-1]  # another layer than the matrix's
+        tensors[changed] = torch.tensor(changes["alpha"])
+    if changes.get("rank0"):  # one layer of rank 0, the others intact
+        changed = matrix.removeprefix("transformer.").removesuffix(".lora_B.weight")
+        down, up = f"transformer.{changed}.lora_A.weight", matrix
+        tensors[down], tensors[up] = tensors[down][:0], tensors[up][:, :0]
     save_file(tensors, path)
-    return path
+    return path, changed
 
 
 @pytest.fixture(scope="module")
@@ -242,9 +246,10 @@ def lora_gen():
     ids=["nan", "inf", "alpha-inf", "rank0"],
 )  # fmt: skip
 def test_broken_adapters_are_refused_naming_the_key(lora_gen, tmp_path, change, named):
-    path = _lora(tmp_path, "broken", **change)
-    with pytest.raises(LoraError, match=named):
+    path, key = _lora(tmp_path, "broken", **change)
+    with pytest.raises(LoraError, match=named) as info:
         lora_gen.set_lora_adapter("broken", str(path))
+    assert f"{key} " in str(info.value), f"the error does not name {key}: {info.value}"
     assert lora_gen.collective_rpc(lambda w: w.lora["transformer"].describe() if w.lora else None)[0] in (
         None,
         {"active": [], "merged": True, "cached": [], "touched_layers": 0},

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -335,17 +334,18 @@ def test_a_rank_failing_at_start_up_is_named(model_path: str, tmp_path: Path, mo
     assert spawned_children() - before == set()
 
 
-def test_start_up_survives_another_process_binding_ports_meanwhile(
+def test_start_up_depends_on_no_port_chosen_in_advance(
     model_path: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
     """Between the moment the driver sets up the rendezvous and the moment the ranks join it (seconds: spawned workers
-    import torch first), another process may bind any free port. The workers here stop right before joining until
-    this test has bound the rendezvous port, if it is a TCP one, the way another program would: start-up must not
-    depend on a port nobody holds staying free."""
+    import torch first), another process may bind any port that was free: a rendezvous at a port chosen in advance
+    (tcp://host:port, checked free by the driver, bound by rank 0 later) would then fail the start. The ranks meet
+    through a file in a folder of their own instead, and gloo's connections take ports the system gives them when they
+    bind. Each worker records the rendezvous it was handed, right before it joins."""
     (tmp_path / "sitecustomize.py").write_text(
         textwrap.dedent(
             """
-            import os, pathlib, time
+            import os, pathlib
 
             _dir = os.environ.get("DISTVIDEO_TEST_RENDEZVOUS_DIR")
             if _dir is not None:
@@ -355,9 +355,6 @@ def test_start_up_survives_another_process_binding_ports_meanwhile(
 
                 def init_device(self):
                     pathlib.Path(_dir, f"init{self.rank}").write_text(self.rank_info.init_method or "")
-                    deadline = time.monotonic() + 120
-                    while not pathlib.Path(_dir, "go").exists() and time.monotonic() < deadline:
-                        time.sleep(0.02)
                     _init_device(self)
 
                 _worker.Worker.init_device = init_device
@@ -368,36 +365,12 @@ def test_start_up_survives_another_process_binding_ports_meanwhile(
     signals.mkdir()
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
     monkeypatch.setenv("DISTVIDEO_TEST_RENDEZVOUS_DIR", str(signals))
-    created: dict[str, object] = {}
-
-    def create() -> None:
-        try:
-            created["gen"] = VideoGenerator.from_pretrained(model_path, num_gpus=2, executor="mp")
-        except BaseException as exc:
-            created["error"] = exc
-
-    starter = threading.Thread(target=create, daemon=True)
-    starter.start()
-    squatter = socket.socket()
-    try:
-        wait_for_file(signals / "init0", within=120)
-        init_method = (signals / "init0").read_text()
-        parsed = urllib.parse.urlparse(init_method)
-        if parsed.scheme == "tcp":  # the port is free until rank 0 binds it: another program takes it first
-            squatter.bind((parsed.hostname, parsed.port))
-            squatter.listen()
-        (signals / "go").write_text("")
-        starter.join(180)
-        assert not starter.is_alive(), "the generator did not start within 180 s"
-        assert "error" not in created, f"start-up failed with the rendezvous at {init_method}: {created.get('error')}"
-        gen = created["gen"]
-        try:
-            assert gen.collective_rpc(rank_of) == [0, 1]
-        finally:
-            gen.shutdown()
-    finally:
-        squatter.close()
-        (signals / "go").write_text("")  # never leave a worker waiting
+    with VideoGenerator.from_pretrained(model_path, num_gpus=2, executor="mp") as gen:
+        assert gen.collective_rpc(rank_of) == [0, 1]
+    init_methods = [(signals / f"init{rank}").read_text() for rank in (0, 1)]
+    assert init_methods[0] == init_methods[1], init_methods
+    parsed = urllib.parse.urlparse(init_methods[0])
+    assert parsed.scheme == "file" and parsed.port is None, f"the rendezvous names a port: {init_methods[0]}"
 
 
 def test_shutdown_is_idempotent_and_leaves_no_process(shared: SharedGenerator):

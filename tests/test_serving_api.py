@@ -223,15 +223,23 @@ def test_deleting_a_finished_job_removes_its_file(server):
     assert server.http.delete(f"/v1/videos/{video['id']}").status_code == 404
 
 
-def test_metrics_in_prometheus_text(server):
-    server.wait(server.create(prompt="for the metrics", **SMALL)["id"])
+def metric_samples(server) -> dict[str, str]:
     response = server.http.get("/metrics")
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain; version=0.0.4")
-    samples = dict(line.rsplit(" ", 1) for line in response.text.splitlines() if line and not line.startswith("#"))
+    return dict(line.rsplit(" ", 1) for line in response.text.splitlines() if line and not line.startswith("#"))
+
+
+def test_metrics_in_prometheus_text(server):
+    server.wait(server.create(prompt="for the metrics", **SMALL)["id"])
+    samples = metric_samples(server)
     assert samples["distvideo_queue_depth"] == "0" and samples["distvideo_up"] == "1"
     assert int(samples['distvideo_jobs{status="completed"}']) >= 1
     assert float(samples['distvideo_stage_seconds_sum{stage="denoising"}']) > 0
-    assert int(samples['distvideo_jobs_rejected_total{reason="invalid"}']) >= 0
+    # a request refused as invalid counts once (other tests on this server may have counted some before)
+    invalid = 'distvideo_jobs_rejected_total{reason="invalid"}'
+    before = int(samples[invalid])
+    assert server.http.post("/v1/videos", json={"prompt": "x", "size": "47x32"}).status_code == 422
+    assert int(metric_samples(server)[invalid]) == before + 1
 
 
 def test_the_openapi_schema_documents_what_the_server_answers(server):
