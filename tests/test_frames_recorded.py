@@ -8,9 +8,14 @@ numerics fingerprint (`{fingerprint}_inline`, `{fingerprint}_mp_sp2`).
 Float rounding depends on the CPU's kernels (AVX2, AVX-512 or AMX code paths in MKL, oneDNN and ATen): the same code
 gives frames that differ by 1 in a few uint8 values on an AMD EPYC (AVX2) and on an Intel Xeon (AVX-512, AMX). So the
 frames are compared exactly on a machine of a recorded kind (same fingerprint), and within the parity tolerance (max
-abs difference 2) of every recording elsewhere. To record for another kind of machine, run the request below at
-commit 1d359f3 there (`git worktree add /tmp/old 1d359f3`, `PYTHONPATH=/tmp/old/src`) with MKL_CBWR=AUTO,STRICT and
-add its frames under its `numerics_fingerprint()` (docs/determinism.md).
+abs difference 2) of every recording elsewhere.
+
+What it guards: a restructuring that promises to keep every frame (issue 13's, the executors' and process groups'
+reshaping after it) keeps them bit for bit, checked against the code of before it rather than against itself; the
+diffusers parity tests only bound the frames within 2. `scripts/record_frames.py` makes the recording from commit
+1d359f3's code in a git worktree: `--check` records again and compares with the stored frames (identical on the
+kind of machine that recorded it, bbd577a915692ab3, on 2026-12-03), without `--check` it adds a machine kind not
+recorded yet (docs/determinism.md).
 """
 
 from __future__ import annotations
