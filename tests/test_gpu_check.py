@@ -1,6 +1,7 @@
 """benchmarks/gpu_check.py, the prepared GPU check, run as a developer runs it but with --smoke (CPU, tiny sizes,
-float32, mp on two gloo ranks), so it cannot rot between the rare occasions a GPU is lent: its JSON fields, its
-Markdown, and a broken parity turning into a nonzero exit."""
+float32, mp on two gloo ranks), once, so it cannot rot between the rare occasions a GPU is lent: its JSON fields and
+its Markdown. Its failures are injected at the phase level in-process (the phases' models stubbed): a broken parity
+and a phase that raises each turn into exit 1 with the results written."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
@@ -86,21 +89,69 @@ def test_smoke_run_writes_every_phase(tmp_path):
     assert "phase bench: ok" in proc.stdout and "[" in proc.stdout.splitlines()[0]  # progress with elapsed time
 
 
-@pytest.mark.slow
-def test_broken_parity_exits_nonzero(tmp_path):
+def _stub_phases(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any]:
+    """gpu_check's phases with their models stubbed out: the build, and the frames of distvideo, diffusers and the
+    executors (all equal), so the checks, the exit code and the files can be driven at the phase level in-process.
+    The smoke run above runs the same phases for real. The whole-run watchdog is left out: it would `os._exit` the
+    test process 400 s later."""
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    import gpu_check
+    import gpu_check_phases as ph
+
+    frames = np.arange(5 * 32 * 32 * 3, dtype=np.int64).reshape(5, 32, 32, 3).astype(np.uint8)
+    shape = {"num_layers": 2, "num_attention_heads": 2, "attention_head_dim": 8, "ffn_dim": 32}
+    built = {"status": "ok", "small": {"path": "small"}, "large": {"path": "large", "transformer": shape}}
+    built["large"].update(gigabytes=0.0, reused=False)
+    monkeypatch.setattr(ph, "build", lambda sizes, folder, guard: built)
+    env = {"device": "cpu", "dtypes": {}}
+    monkeypatch.setattr(ph, "_distvideo_frames", lambda small, sizes, dtype: (None, {"frames": frames, "env": env}))
+    monkeypatch.setattr(ph, "_diffusers_frames", lambda plan, env, dtypes: dict.fromkeys(dtypes, frames))
+    monkeypatch.setattr(ph, "_frames", lambda small, sizes, executor, ranks: frames.copy())
+    monkeypatch.setattr(gpu_check, "start_watchdog", lambda run, grace: None)
+    return gpu_check, ph
+
+
+def _main(gpu_check: Any, out: Path, *extra: str) -> tuple[int, dict]:
+    code = gpu_check.main(["--smoke", "--out", str(out), "--phases", "parity_diffusers,parity_executors", *extra])
+    return code, json.loads((out / "gpu_check.json").read_text())
+
+
+def test_broken_parity_exits_nonzero(tmp_path, monkeypatch):
     """The hidden --break-parity moves one pixel of distvideo's frames by 128 levels in both parity checks: each
-    must fail, the run must exit 1, and the results must still be written."""
-    proc, report = run_check(tmp_path, "--phases", "parity_diffusers,parity_executors", "--break-parity")
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert report["ok"] is False
+    must fail, the run must exit 1, and the results must still be written. Without it the same frames pass."""
+    gpu_check, _ = _stub_phases(monkeypatch)
+    code, report = _main(gpu_check, tmp_path / "good")
+    assert code == 0 and report["ok"] is True
+    assert report["phases"]["parity_executors"]["mp"]["1"]["check"] == "byte-identical"
+
+    code, report = _main(gpu_check, tmp_path / "broken", "--break-parity")
+    assert code == 1 and report["ok"] is False
     parity = report["phases"]["parity_diffusers"]
     assert parity["status"] == "failed" and parity["checks"]["float32"] is False
-    assert parity["float32_vs_diffusers_float32"]["max_abs_diff"] >= 120
+    assert parity["float32_vs_diffusers_float32"]["max_abs_diff"] == 128
     executors = report["phases"]["parity_executors"]
     assert executors["status"] == "failed" and executors["mp"]["1"]["status"] == "failed"
-    assert executors["mp"]["2"]["status"] == "failed"
+    assert executors["mp"]["2"]["status"] == "failed" and executors["mp"]["2"]["max_abs_diff"] == 128
     assert set(report["phases"]) == {"build", "parity_diffusers", "parity_executors"}
-    assert "| parity_diffusers | failed |" in (tmp_path / "out" / "gpu_check.md").read_text()
+    assert "| parity_diffusers | failed |" in (tmp_path / "broken" / "gpu_check.md").read_text()
+
+
+def test_a_phase_that_raises_is_an_error_and_the_run_goes_on(tmp_path, monkeypatch):
+    """A phase whose body raises is recorded as an error with its traceback, the next phase still runs, and the run
+    exits 1 with both written."""
+    gpu_check, ph = _stub_phases(monkeypatch)
+
+    def broken(small, sizes, dtype):
+        raise RuntimeError("injected in _distvideo_frames")
+
+    monkeypatch.setattr(ph, "_distvideo_frames", broken)
+    code, report = _main(gpu_check, tmp_path / "out")
+    assert code == 1 and report["ok"] is False and report["complete"] is False
+    phase = report["phases"]["parity_diffusers"]
+    assert phase["status"] == "error" and phase["error"] == "RuntimeError: injected in _distvideo_frames"
+    assert "broken" in phase["traceback"]
+    assert report["phases"]["parity_executors"]["status"] == "ok"
+    assert "| parity_diffusers | error |" in (tmp_path / "out" / "gpu_check.md").read_text()
 
 
 def test_offload_phase_measures_every_mode(monkeypatch):
