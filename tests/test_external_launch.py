@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -103,6 +104,10 @@ def test_generate_command_writes_one_video_equal_to_the_mp_executors(launcher, t
     exit is not."""
     # the names looked for below are the ones this torch gives gloo's threads: a live one-rank group has them
     group = torch.distributed.ProcessGroupGloo(torch.distributed.HashStore(), 0, 1, datetime.timedelta(seconds=30))
+    # each of its threads names itself once it runs, which on a loaded machine can be a while after the constructor
+    deadline = time.monotonic() + 60
+    while not gloo_thread_names() and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert gloo_thread_names(), "a live gloo group shows no thread named *gloo*: update gloo_thread_names()"
     del group
     out_dir = tmp_path / "out"
