@@ -1,7 +1,8 @@
 """Every model family on real torchrun launches (CPU, gloo): Ulysses SP, CFG parallelism and both together reproduce
 the single-rank frames within 2; the banded decode is exact on the Wan2.2 VAE; the image conditioning is computed on
 rank 0 and is bit-identical on every rank; the collectives are the expected ones for two experts and per-token
-timesteps; an image missing on one node is refused on every rank before any denoising.
+timesteps; an image missing on one node is refused on every rank before any denoising, and one at its own path on
+each rank (the same bytes) gives the same frames.
 
 Two launches serve every check: 2 ranks (sp=2 and cfg=2 engines of every family, all alive in one launch) and 4
 ranks (sp=2 x cfg=2).
@@ -59,6 +60,8 @@ FOUR_RANKS = [
 ]
 # engine -> requests whose image exists on rank 0 only (refused on every rank before any denoising)
 REFUSALS = {"ti2v-sp2": {"missing_on_rank_1": "ti2v_i2v"}}
+# engine -> requests whose image every rank reads from a copy at a path of its own (the same frames)
+OWN_COPIES = {"i2v-sp2": {"own_copies": "i2v"}}
 # the Wan2.2 VAE (z_dim 48, patchified, residual up blocks) decoded in bands: even rows, and 5 rows split 3 + 2
 DECODE_CHECKS = {"ti2v-sp2": [[1, 48, 2, 6, 4], [1, 48, 2, 5, 3]]}
 
@@ -78,6 +81,7 @@ def _launch(tmp: Path, factory, engines: list[tuple], nproc: int) -> dict:
             "requests": [{"name": r, "kwargs": _kwargs(r, image)} for r in requests],
             "decode_checks": DECODE_CHECKS.get(name, []),
             "refusals": [{"name": n, "kwargs": _kwargs(r, image)} for n, r in REFUSALS.get(name, {}).items()],
+            "own_copies": [{"name": n, "kwargs": _kwargs(r, image)} for n, r in OWN_COPIES.get(name, {}).items()],
         }
         for name, family, sp, cfg, requests in engines
     ]
@@ -193,3 +197,14 @@ def test_image_missing_on_one_node_is_refused_on_every_rank(two_ranks):
     assert "rank 1: 'not readable on" in errors[0]["message"] and "FileNotFoundError" in errors[0]["message"]
     assert [rank["ulysses"].get("all_to_all", 0) for rank in report["ranks"]] == [0, 0]
     assert [rank["vae"].get("gather", 0) for rank in report["ranks"]] == [0, 0]
+
+
+def test_an_image_at_its_own_path_on_each_rank_is_the_same_image(two_ranks):
+    """Each rank reads the image from a copy at a path of its own (nodes holding their own copies): the ranks agree
+    on it by its bytes, and the frames are those of the same request with one path on every rank, bit for bit."""
+    outcomes = two_ranks["report"]["i2v-sp2-own_copies"]
+    assert [o["error"] for o in outcomes] == [None, None], outcomes
+    assert len({o["image"] for o in outcomes}) == 2, "every rank passed a path of its own"
+    frames = np.load(two_ranks["dir"] / "i2v-sp2-own_copies.npy")
+    reference = np.load(two_ranks["dir"] / "i2v-sp2-i2v.npy")
+    assert np.array_equal(frames, reference), f"max abs difference {max_abs_diff(frames, reference)}"

@@ -3,9 +3,11 @@
 usage: family_cases.py CASES_JSON OUT_DIR
 
 CASES_JSON holds a list of engines, each {"name", "model", "sp_size", "cfg_parallel", "requests": [{"name",
-"kwargs"}], "decode_checks": [latent shapes], "refusals": [{"name", "kwargs"}]}. A refusal is a request whose image exists on rank 0 only: every other rank passes its own path
+"kwargs"}], "decode_checks": [latent shapes], "refusals": [{"name", "kwargs"}], "own_copies": [{"name", "kwargs"}]}. A refusal is a request whose image exists on rank 0 only: every other rank passes its own path
 (OUT_DIR/node-<rank>/<name>), which does not exist; its report is the error each rank raised and the collectives
-counted meanwhile (none may run: the request is refused before any denoising). Every engine is a VideoGenerator on the external executor. Rank 0
+counted meanwhile (none may run: the request is refused before any denoising). An own copy is a request whose image
+every rank first copies to a path of its own (OUT_DIR/own-copy-<rank>/<name>) and passes; its report is each rank's
+path and error. Every engine is a VideoGenerator on the external executor. Rank 0
 saves each request's frames as OUT_DIR/<engine>-<request>.npy and writes OUT_DIR/report.json with, per request and
 rank: whether the rank holds frames, the plans' collective counters, the digest of the image conditioning the rank
 computed (CLIP tokens and condition latents), its time, and the experts' swaps; and per decode check the float
@@ -120,6 +122,22 @@ def main() -> None:
                 errors: list[Any] = [None] * dist.get_world_size()
                 dist.all_gather_object(errors, error)
                 report[key] = {"ranks": gen.collective_rpc(rank_report), "errors": errors}
+            for copy in case.get("own_copies", []):  # the same bytes at another path on every rank
+                key = f"{case['name']}-{copy['name']}"
+                kwargs = dict(copy["kwargs"])
+                own = out / f"own-copy-{dist.get_rank()}" / Path(kwargs["image"]).name
+                own.parent.mkdir(exist_ok=True)
+                own.write_bytes(Path(kwargs["image"]).read_bytes())
+                kwargs["image"], error = str(own), None
+                try:
+                    res = gen.generate("a red fox running through snow", save_video=False, **kwargs)
+                    if gen.is_output_rank:
+                        np.save(out / f"{key}.npy", res.frames)
+                except Exception as exc:
+                    error = {"type": type(exc).__name__, "message": str(exc)}
+                outcomes: list[Any] = [None] * dist.get_world_size()
+                dist.all_gather_object(outcomes, {"image": kwargs["image"], "error": error})
+                report[key] = outcomes
             for i, shape in enumerate(case.get("decode_checks", [])):
                 report[f"{case['name']}-decode{i}"] = gen.collective_rpc(decode_check, args=(shape, i))
         if dist.get_rank() == 0:
