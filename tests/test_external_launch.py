@@ -128,8 +128,15 @@ def test_generate_command_writes_one_video_equal_to_the_mp_executors(launcher, t
 
 @pytest.mark.parametrize("launcher", API_PARAMS)
 def test_api_under_launcher(launcher, tmp_path, single_process_frames):
+    """Also the thread policy with 2 ranks on a node and OMP_NUM_THREADS unset: cores / 2 threads per rank.
+    torchrun hands the ranks OMP_NUM_THREADS=1 of its own, which does not count as the user's (on a 2-core machine
+    both give 1, so torchrun's case tells them apart only on bigger machines; mpirun's does here: under Open MPI
+    torch alone runs 1 thread)."""
     script = REPO / "tests" / "rank_scripts" / "external_api.py"
-    proc = run_launcher(launcher, [str(script), str(tmp_path)], nproc=2, timeout=300)
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("OMP_NUM_THREADS", "DISTVIDEO_NUM_THREADS"):
+            mp.delenv(name, raising=False)  # the user's shell must not decide the thread policy
+        proc = run_launcher(launcher, [str(script), str(tmp_path)], nproc=2, timeout=300)
     assert proc.returncode == 0, format_output(proc)
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     expected_launcher = {"torchrun": "torchrun", "srun": "slurm", "mpirun": "mpi", "mpich": "mpi"}[launcher]
@@ -153,6 +160,11 @@ def test_api_under_launcher(launcher, tmp_path, single_process_frames):
     # divergent prompts refused on every rank, naming the field
     assert r0["divergence"] == r1["divergence"] and r0["divergence"] is not None
     assert "prompt" in r0["divergence"] and "prompt of rank 1" in r0["divergence"]
+    if launcher in ("torchrun", "mpirun"):
+        for rep in (r0, r1):
+            threads = rep["threads"]
+            assert threads["given_omp"] == ("1" if launcher == "torchrun" else None), threads
+            assert threads["torch"] == max(1, threads["cores"] // 2), threads
 
 
 @pytest.mark.usefixtures("no_weights_loaded")
@@ -214,12 +226,9 @@ def test_srun_on_two_nodes_derives_the_rendezvous_from_the_node_list(tmp_path, s
 
 THREAD_CASES = [
     # launcher, ranks, OMP_NUM_THREADS set by the user (None: unset), expected threads per rank from the cores
-    # torchrun hands 2 ranks OMP_NUM_THREADS=1 of its own: overridden by cores / 2 (on a 2-core machine both are 1, so
-    # this case tells them apart only on bigger machines; the mpirun cases do here)
-    pytest.param("torchrun", 2, None, lambda cores: max(1, cores // 2), id="torchrun-2-ranks"),
+    # (2 ranks per node, torchrun's and mpirun's: read from test_api_under_launcher's launches)
     # under Open MPI torch alone runs 1 thread (MKL's default under MPI): the policy gives the rank every core
     pytest.param("mpirun", 1, None, lambda cores: cores, id="mpirun-1-rank", marks=pytest.mark.mpi),
-    pytest.param("mpirun", 2, None, lambda cores: max(1, cores // 2), id="mpirun-2-ranks", marks=pytest.mark.mpi),
     # the user's OMP_NUM_THREADS wins over cores / ranks
     pytest.param("mpirun", 1, "1", lambda cores: 1, id="mpirun-1-rank-user-omp-1", marks=pytest.mark.mpi),
 ]
@@ -228,7 +237,7 @@ THREAD_CASES = [
 @pytest.mark.parametrize(("launcher", "ranks", "omp", "expected"), THREAD_CASES)
 def test_threads_per_rank(launcher, ranks, omp, expected, tmp_path):
     """Each rank runs about cores on the node / ranks on the node intra-op threads, unless the user set
-    OMP_NUM_THREADS; torchrun's own OMP_NUM_THREADS=1 (set when the user did not) does not count as the user's."""
+    OMP_NUM_THREADS (2 ranks per node, and torchrun's own OMP_NUM_THREADS=1: test_api_under_launcher)."""
     env = {"OMP_NUM_THREADS": omp} if omp is not None else {}
     with pytest.MonkeyPatch.context() as mp:
         for name in ("OMP_NUM_THREADS", "DISTVIDEO_NUM_THREADS"):
@@ -236,6 +245,4 @@ def test_threads_per_rank(launcher, ranks, omp, expected, tmp_path):
         proc = run_launcher(launcher, [str(LAUNCH_REPORT), str(tmp_path)], nproc=ranks, env=env, timeout=300)
     assert proc.returncode == 0, format_output(proc)
     for report in rank_reports(tmp_path, ranks):
-        if launcher == "torchrun" and omp is None:
-            assert report["given"]["OMP_NUM_THREADS"] == "1", report  # what torchrun hands over
         assert report["threads"] == expected(report["cores"]), report

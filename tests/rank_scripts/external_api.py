@@ -1,6 +1,8 @@
 """Run by every rank under a real launcher: the external executor's API behaviour in one launch.
 
-Writes one JSON file per rank into OUT_DIR (argv[1]); rank 0 also saves its frames as frames.npy.
+Writes one JSON file per rank into OUT_DIR (argv[1]); rank 0 also saves its frames as frames.npy. Also reports the
+launcher's OMP_NUM_THREADS (read before anything is imported), torch's intra-op threads once the generator exists,
+and the cores this process may use: the thread policy per rank is read from this launch.
 """
 
 from __future__ import annotations
@@ -10,10 +12,13 @@ import os
 import sys
 from pathlib import Path
 
-import numpy as np
+GIVEN_OMP = os.environ.get("OMP_NUM_THREADS")
 
-from distvideo import VideoGenerator
-from distvideo.executors.external import DivergentCallError
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from distvideo import VideoGenerator  # noqa: E402
+from distvideo.executors.external import DivergentCallError  # noqa: E402
 
 REQUEST = dict(num_frames=5, height=32, width=48, num_inference_steps=2, seed=5)
 
@@ -33,6 +38,8 @@ def main() -> None:
         report["world_size"] = gen.world_size
         report["is_output_rank"] = gen.is_output_rank
         report["launcher"] = gen.executor.launch_env.launcher
+        report["threads"] = {"given_omp": GIVEN_OMP, "torch": torch.get_num_threads()}
+        report["threads"]["cores"] = len(os.sched_getaffinity(0))
         res = gen.generate("a red fox", output_path=str(out / "video.mp4"), **REQUEST)
         report["video_path"] = res.video_path
         report["has_frames"] = res.frames is not None
