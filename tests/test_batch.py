@@ -5,6 +5,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,16 +18,20 @@ from distvideo import VideoGenerator
 from distvideo.batch import derive_seed, read_prompt_file
 from distvideo.batch.assign import assign
 from distvideo.batch.items import BatchItem, build_items, fingerprint
+from distvideo.batch.manifest import Manifest
 from distvideo.cli.main import main
 from distvideo.config import EngineConfig, GenerationRequest
 from distvideo.errors import ConfigError
-from distvideo.executors import resolve_engine
+from distvideo.executors import mp, resolve_engine
 from distvideo.parallel.layout import resolve_layout
 
 from launchers import format_output, local_slurm, run_launcher  # noqa: F401
 
 SMALL = ["--num-frames", "5", "--height", "32", "--width", "48", "--steps", "2", "--no-progress"]
 PROMPTS = ["a red fox", "a blue boat", "a green tree in the wind", "a yellow kite"]
+RESUMED = [*PROMPTS, "a white swan"]
+# valid for the model (sides <= 8192, frames <= 4097), but terabytes of activations: refused when it runs
+TOO_BIG = {"num_frames": 4097, "height": 8192, "width": 8192}
 
 
 def write_prompts(folder: Path, prompts=PROMPTS, name: str = "prompts.txt") -> Path:
@@ -63,7 +71,12 @@ def test_prompt_files_plain_and_jsonl(tmp_path):
 
 
 def test_seeds_depend_on_the_batch_seed_and_index_only():
-    assert derive_seed(0, 5) == derive_seed(0, 5) and derive_seed(0, 5) != derive_seed(1, 5) != derive_seed(1, 6)
+    """The seed a run records must be the one the run that resumes it derives: the same in another process (no
+    str hash, no global random state), different for another batch seed or index."""
+    code = "from distvideo.batch import derive_seed; print(derive_seed(0, 5), derive_seed(1, 5))"
+    elsewhere = subprocess.check_output([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": "random"})
+    assert [int(seed) for seed in elsewhere.split()] == [derive_seed(0, 5), derive_seed(1, 5)]
+    assert derive_seed(0, 5) != derive_seed(1, 5) != derive_seed(1, 6)
     assert 0 <= derive_seed(7, 123456) < 2**63
 
 
@@ -103,48 +116,63 @@ def test_replicas_in_the_layout():
 
 # --- the command, inline ----------------------------------------------------------------------------------------------
 def test_a_batch_resumes_and_redoes_only_what_changed_or_is_gone(tmp_path, monkeypatch, capsys):
-    prompts, out = write_prompts(tmp_path), tmp_path / "out"
+    prompts, out = write_prompts(tmp_path, RESUMED), tmp_path / "out"
     argv = ["generate", "--prompts", str(prompts), "--output", str(out), "--executor", "inline", *SMALL]
     assert main(argv) == 0
     first = videos(out)
-    assert len(first) == 4 and [r["index"] for r in manifest(out)] == [0, 1, 2, 3]
-    assert "4 done (0 from earlier runs), 0 failed, of 4" in capsys.readouterr().out
+    assert len(first) == 5 and [r["index"] for r in manifest(out)] == [0, 1, 2, 3, 4]
+    assert "5 done (0 from earlier runs), 0 failed, of 5" in capsys.readouterr().out
 
     # nothing left: no weights are loaded, nothing is written
     with monkeypatch.context() as m:
         m.setattr(distvideo.worker, "load_components", lambda *a, **k: pytest.fail("loaded weights"))
         assert main(argv) == 0
-    assert len(manifest(out)) == 4 and videos(out) == first
-    assert "4 done (4 from earlier runs)" in capsys.readouterr().out
+    assert len(manifest(out)) == 5 and videos(out) == first
+    assert "5 done (5 from earlier runs)" in capsys.readouterr().out
 
-    # a changed prompt, a deleted video and a damaged one are redone; the others are not
-    write_prompts(tmp_path, [PROMPTS[0], "a blue boat at dawn", *PROMPTS[2:]])
+    # a changed prompt, a deleted video, a truncated one and one damaged at the same size (only its sha256 tells)
+    # are redone; the untouched one is not
+    write_prompts(tmp_path, [RESUMED[0], "a blue boat at dawn", *RESUMED[2:]])
     names = sorted(first)
+    untouched = (out / names[0]).stat()
     (out / names[2]).unlink()
     (out / names[3]).write_bytes((out / names[3]).read_bytes()[:100])
+    damaged = bytearray((out / names[4]).read_bytes())
+    damaged[len(damaged) // 2] ^= 0xFF
+    (out / names[4]).write_bytes(bytes(damaged))
     assert main(argv) == 0
-    redone = [r["index"] for r in manifest(out)[4:]]
-    assert sorted(redone) == [1, 2, 3]
+    redone = [r["index"] for r in manifest(out)[5:]]
+    assert sorted(redone) == [1, 2, 3, 4]
     after = videos(out)
-    assert after[names[0]] == first[names[0]] and after[names[2]] == first[names[2]] == after[names[2]]
-    assert after[names[3]] == first[names[3]]  # the same item gives the same video
+    assert after[names[0]] == first[names[0]] and (out / names[0]).stat().st_mtime_ns == untouched.st_mtime_ns
+    # the same item gives the same video: the deleted, truncated and damaged ones come back as they were
+    assert [after[n] for n in names[2:]] == [first[n] for n in names[2:]]
+    changed = next(r for r in manifest(out)[5:] if r["index"] == 1)
+    assert changed["prompt"] == "a blue boat at dawn" and changed["video"] not in first and changed["video"] in after
 
 
 def test_failed_items_are_recorded_and_the_batch_goes_on(tmp_path, capsys):
+    """Refused when planned (a height the model cannot take) or when run (every item passes the model's checks, but
+    the memory check refuses this one on its replica before any step): recorded as failed with the reason, and the
+    items after it still run."""
     jsonl = tmp_path / "p.jsonl"
-    jsonl.write_text('{"prompt": "fine"}\n{"prompt": "too odd", "height": 50}\n{"prompt": "also fine"}\n')
+    lines = [{"prompt": "fine"}, {"prompt": "too odd", "height": 50}, {"prompt": "far too big", **TOO_BIG}]
+    jsonl.write_text("".join(json.dumps(line) + "\n" for line in [*lines, {"prompt": "also fine"}]))
     out = tmp_path / "out"
     argv = ["generate", "--prompts", str(jsonl), "--output", str(out), "--executor", "inline", *SMALL]
     assert main(argv) == 1
     records = {r["index"]: r for r in manifest(out)}
     assert records[1]["status"] == "failed" and "height=50" in records[1]["error"]
-    assert records[0]["status"] == records[2]["status"] == "done"
-    assert "2 done (0 from earlier runs), 1 failed, of 3" in capsys.readouterr().out
+    assert records[2]["status"] == "failed", records[2]
+    assert records[2]["error"].startswith("ConfigError: the request (4097 frames of 8192x8192) needs"), records[2]
+    assert records[0]["status"] == records[3]["status"] == "done"
+    assert [r["index"] for r in manifest(out)] == [1, 0, 2, 3], "the refused item must not end the batch"
+    assert "2 done (0 from earlier runs), 2 failed, of 4" in capsys.readouterr().out
 
 
-def test_the_batch_log_counts_the_items_done(tmp_path):
+def test_the_batch_log_counts_the_items_done(tmp_path, monkeypatch):
     """With --no-progress (a Slurm log) every finished item logs a line with the count so far (it said 0 until the
-    end: a disabled tqdm bar counts nothing)."""
+    end: a disabled tqdm bar counts nothing). Items without a seed get theirs from --batch-seed and their index."""
     out = tmp_path / "out"
     argv = ["generate", "--prompts", str(write_prompts(tmp_path, PROMPTS[:3])), "--output", str(out), *SMALL]
     messages: list[str] = []
@@ -153,23 +181,38 @@ def test_the_batch_log_counts_the_items_done(tmp_path):
     log = logging.getLogger("distvideo.batch.run")
     log.addHandler(handler)
     try:
-        assert main([*argv, "--executor", "inline"]) == 0
+        assert main([*argv, "--executor", "inline", "--batch-seed", "7"]) == 0
     finally:
         log.removeHandler(handler)
     counts = [m.split(" items done")[0] for m in messages if " items done (" in m]
     assert counts == ["batch: 1 of 3", "batch: 2 of 3", "batch: 3 of 3"]
+    seeds = [r["seed"] for r in sorted(manifest(out), key=lambda r: r["index"])]
+    assert seeds == [derive_seed(7, i) for i in range(3)] and seeds != [derive_seed(0, i) for i in range(3)]
+    assert {name.rsplit("_seed", 1)[1] for name in videos(out)} == {f"{seed}.mp4" for seed in seeds}
+    # the same batch seed again: the same seeds, so nothing is left to do (no weights load)
+    monkeypatch.setattr(distvideo.worker, "load_components", lambda *a, **k: pytest.fail("loaded weights"))
+    assert main([*argv, "--executor", "inline", "--batch-seed", "7"]) == 0 and len(manifest(out)) == 3
 
 
 @pytest.mark.parametrize(
     ("extra", "named"),
-    [(["--prompt", "x"], "--prompt and --prompts"), (["--output", "v.mp4"], "is a folder")],
-    ids=["with-prompt", "mp4-output"],
+    [
+        (["--prompt", "x"], "--prompt and --prompts"),
+        (["--output", "v.mp4"], "is a folder"),
+        # an item without a seed gets one from --batch-seed: a single seed would be ignored without a word
+        (["--seed", "5"], "--seed 5 with --prompts: item 0 has no seed of its own, and a batch item gets it from"),
+        (["--config", "{seeded}"], "seeded.yaml: 'request.seed' with --prompts: item 0 has no seed of its own"),
+    ],
+    ids=["with-prompt", "mp4-output", "with-seed", "with-config-seed"],
 )
 def test_bad_batch_arguments_exit_2(tmp_path, extra, named, no_loading, capsys):
     prompts = write_prompts(tmp_path)
+    (tmp_path / "seeded.yaml").write_text("request:\n  seed: 5\n")
+    extra = [arg.format(seeded=tmp_path / "seeded.yaml") for arg in extra]
     argv = ["generate", "--prompts", str(prompts), "--output", str(tmp_path / "out"), *SMALL]
     assert main([*argv, *extra]) == 2
     assert named in capsys.readouterr().err
+    assert not (tmp_path / "out").exists(), "nothing may be written"
 
 
 def test_generate_batch_returns_results_in_input_order(tmp_path):
@@ -196,11 +239,53 @@ def inline_videos(tmp_path_factory):
     return videos(folder / "out")
 
 
+def kill_rank_1_after_the_first_record(monkeypatch) -> list[int]:
+    """From now on, the first manifest line written (world rank 0, as an item finished) is followed at once by a
+    SIGKILL of the mp executor's rank 1 worker, started after this call; returns the killed pids."""
+    before, append, killed = set(mp._LIVE), Manifest.append, []
+
+    def append_then_kill(self, record):
+        append(self, record)
+        if not killed:
+            (executor,) = set(mp._LIVE) - before
+            killed.append(executor._procs[1].pid)
+            os.kill(killed[0], signal.SIGKILL)
+
+    monkeypatch.setattr(Manifest, "append", append_then_kill)
+    return killed
+
+
+def kept_files(folder: Path, names) -> dict[str, tuple[str, int, int]]:
+    return {n: (hashlib.sha256((folder / n).read_bytes()).hexdigest(), *_stamp(folder / n)) for n in names}
+
+
+def _stamp(path: Path) -> tuple[int, int]:
+    stat = path.stat()
+    return stat.st_mtime_ns, stat.st_ino
+
+
 @pytest.mark.slow
-def test_mp_replicas_write_the_same_files(tmp_path, inline_videos):
+def test_mp_replicas_resume_after_a_dead_rank_and_write_the_same_files(tmp_path, monkeypatch, capsys, inline_videos):
+    """2 spawned replicas; rank 1's worker is SIGKILLed as soon as the first item is recorded: the job ends (exit 1)
+    with nothing half-written. The same command again runs only the items not done, leaves the finished items'
+    files as they were (bytes, mtime, inode), and every file is the one the inline run writes."""
     prompts, out = write_prompts(tmp_path), tmp_path / "out"
     argv = ["generate", "--prompts", str(prompts), "--output", str(out), "--num-gpus", "2", "--replicas", "2", *SMALL]
+    with monkeypatch.context() as m:
+        killed = kill_rank_1_after_the_first_record(m)
+        assert main(argv) == 1
+    assert killed, "no item was recorded before the job ended"
+    assert "WorkerDiedError: rank 1 died (killed by SIGKILL)" in capsys.readouterr().err
+    first = manifest(out)
+    done = {r["index"]: r["video"] for r in first if r["status"] == "done"}
+    assert len(first) == len(done) and 1 <= len(done) < 4, first
+    assert sorted(p.name for p in out.iterdir()) == sorted([*done.values(), "manifest.jsonl"]), "a partial file"
+    kept = kept_files(out, done.values())
+
     assert main(argv) == 0
+    assert f"4 done ({len(done)} from earlier runs), 0 failed, of 4" in capsys.readouterr().out
+    assert sorted(r["index"] for r in manifest(out)[len(first) :]) == sorted(set(range(4)) - set(done))
+    assert kept_files(out, done.values()) == kept, "a finished item's file was touched"
     assert videos(out) == inline_videos
     assert {r["replica"] for r in manifest(out)} == {0, 1}
 

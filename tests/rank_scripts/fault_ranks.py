@@ -14,8 +14,8 @@ OUT_DIR/exit_at<rank>, then re-raises it (exit code 1). Scenarios:
   already in its next call.
 - ``stuck``: rank 1 sleeps dist_timeout + 5 s inside a collective_rpc callable while rank 0 waits in the status
   exchange.
-- ``fails_alone``: rank 1 raises in its 2nd transformer call (an error of its own, not a death) while rank 0 waits
-  for it in the CFG all-gather.
+- ``fails_alone``: rank 1 writes OUT_DIR/failed_at and raises in its 2nd transformer call (an error of its own,
+  not a death) while rank 0 waits for it in the CFG all-gather; dist_timeout is LONE_FAILURE_DIST_TIMEOUT (600 s).
 - ``never_joins``: only creates the generator (the test starts one rank of two; the other never comes).
 - ``slow_cli``: the `distvideo generate` command (ARGS after the scenario); with FAULT_SLOW_TRANSFORMER_S set in the
   environment every transformer call sleeps that long and prints "step <rank>", for the tests that interrupt it.
@@ -36,6 +36,8 @@ import torch
 
 REQUEST = dict(num_frames=5, height=32, width=32, num_inference_steps=3, seed=0, max_sequence_length=16)
 DIST_TIMEOUT = 10.0
+#: ``fails_alone`` runs with a dist_timeout no test waits for: its rank 0 must be released by rank 1 leaving the group
+LONE_FAILURE_DIST_TIMEOUT = 600.0
 
 
 def die() -> None:
@@ -52,6 +54,7 @@ def install_hook(worker: Any, victim: int, at_call: int, action: str) -> None:
         if worker.rank == victim and worker.transformer_calls == at_call:
             if action == "die":
                 die()
+            (OUT / "failed_at").write_text(repr(time.time()))
             raise RuntimeError(f"planted failure in transformer call {at_call} on rank {victim}")
 
     worker.pipeline.transformer.register_forward_hook(hook)
@@ -176,7 +179,8 @@ def run(scenario: str, extra: list[str]) -> None:
     rank = resolve_launch_env(dict(os.environ)).rank
     (OUT / f"start_at{rank}").write_text(repr(time.time()))
     try:
-        gen = VideoGenerator.from_pretrained(executor="external", dist_timeout=DIST_TIMEOUT)
+        timeout = LONE_FAILURE_DIST_TIMEOUT if scenario == "fails_alone" else DIST_TIMEOUT
+        gen = VideoGenerator.from_pretrained(executor="external", dist_timeout=timeout)
         rank = gen.executor.rank
         (OUT / f"pid{rank}").write_text(str(os.getpid()))
         if scenario == "peer_dies":

@@ -70,6 +70,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
     engine_config, defaults = configs_from_args(args)
     engine = resolve_engine(engine_config)
     raw = read_prompt_file(args.prompts)
+    _refuse_an_ignored_seed(args, raw)
     # every item checked, and the manifest read, before any process starts or weight loads
     plan = plan_batch(raw, engine.model, folder=folder, defaults=defaults, batch_seed=args.batch_seed)
     results = None
@@ -88,6 +89,24 @@ def cmd_batch(args: argparse.Namespace) -> int:
         flush=True,
     )
     return EXIT_OK if failed == 0 else EXIT_RUNTIME
+
+
+def _refuse_an_ignored_seed(args: argparse.Namespace, raw: list[dict[str, Any]]) -> None:
+    """A batch item without a seed of its own gets one from --batch-seed and its index (docs/batch.md), not from
+    --seed (or the config file's request.seed), which would then be ignored without a word: refused instead. An item
+    with its own seed overrides the flag, as its other fields do."""
+    from distvideo.config import load_config_file
+
+    given = f"--seed {args.seed}" if args.seed is not None else None
+    if given is None and args.config and "seed" in load_config_file(args.config)["request"]:
+        given = f"--config {args.config}: 'request.seed'"
+    unseeded = next((n for n, item in enumerate(raw) if "_error" not in item and item.get("seed") is None), None)
+    if given is not None and unseeded is not None:
+        raise ConfigError(
+            f"{given} with --prompts: item {unseeded} has no seed of its own, and a batch item gets it from "
+            "--batch-seed (default 0) and its index, not from --seed; use --batch-seed instead, or give every item "
+            'its own "seed" in a JSONL prompt file'
+        )
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
