@@ -12,6 +12,7 @@ import contextlib
 import os
 import re
 import signal
+import sqlite3
 import subprocess
 import time
 from collections.abc import Iterator, Sequence
@@ -28,11 +29,14 @@ SLOW_STEP_ENV = {"DISTVIDEO_TEST_SLOW_STEP_S": "0.05"}  # jobs of 100+ steps: 5 
 START_TIMEOUT_S = 300.0
 TERMINAL = ("completed", "failed")
 SMALL = {"size": "48x32", "num_frames": 5, "num_inference_steps": 2, "seed": 3}  # a job of about a second
+# with start_server(..., hold=True): waits after its first step until `Served.release()` (serving_faults)
+HELD = {"size": "48x32", "num_frames": 5, "num_inference_steps": 7, "seed": 2}
 
 
 class Served:
-    def __init__(self, proc: subprocess.Popen, log: Path, output: Path, api_key: str | None):
+    def __init__(self, proc: subprocess.Popen, log: Path, output: Path, api_key: str | None, release: Path):
         self.proc, self.log_path, self.output, self.api_key = proc, log, output, api_key
+        self.release_path = release
         self.url = ""
         self.client: httpx.Client | None = None
 
@@ -68,6 +72,10 @@ class Served:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             pytest.fail(f"the server did not exit within {timeout:g} s:\n{self.log()}")
+
+    def release(self) -> None:
+        """Let the held job (HELD, on a server started with hold=True) go on after its first step."""
+        self.release_path.touch()
 
     def close(self) -> None:
         if self.client is not None:
@@ -116,6 +124,35 @@ class Served:
                 pytest.fail(f"job {video_id} made no progress in {timeout:g} s:\n{self.log()[-4000:]}")
             time.sleep(0.05)
 
+    def wait_health(self, status: str, timeout: float = 120.0) -> httpx.Response:
+        """Poll /health until it says `status` (a deadline, not a delay)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            response = self.http.get("/health")
+            if response.json()["status"] == status:
+                return response
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                pytest.fail(f"/health never said {status!r} (last: {response.text}):\n{self.log()[-4000:]}")
+            time.sleep(0.02)
+
+
+def jobs_in_store(output: Path) -> dict[str, tuple[str, str | None, str | None]]:
+    """id -> (status, error code, error message), read from the store file after the server exited."""
+    with sqlite3.connect(f"file:{output / 'jobs.sqlite3'}?mode=ro", uri=True) as db:
+        rows = db.execute("SELECT id, status, error_code, error_message FROM videos").fetchall()
+    return {row[0]: (row[1], row[2], row[3]) for row in rows}
+
+
+def assert_stopped_cleanly(executor: str, code: int, log: str) -> None:
+    """Exit 0 on every rank after SIGTERM. torchrun itself exits 1 after a SIGTERM whatever its workers did (it raises
+    SignalException by design); there each rank's own line says it stopped, and torchrun had no rank to kill."""
+    if executor != "torchrun":
+        assert code == 0 and "distvideo serve: stopped" in log and "Traceback" not in log, log
+        return
+    assert code == 1 and "SignalException" in log, log
+    assert "distvideo serve: stopped (rank 0)" in log and "distvideo serve: rank 1 stopped" in log, log
+    assert "SIGKILL" not in log and "ERROR" not in log, log
+
 
 def server_command(executor: str, args: Sequence[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
     distvideo = console_script("distvideo")
@@ -138,6 +175,7 @@ def start_server(
     output: Path | None = None,
     env: dict[str, str] | None = None,
     fail_rank: str | None = None,
+    hold: bool = False,
 ) -> Iterator[Served]:
     output = output or workdir / "out"
     workdir.mkdir(parents=True, exist_ok=True)
@@ -159,13 +197,17 @@ def start_server(
         child_env["DISTVIDEO_API_KEY"] = api_key  # not on the command line
     if fail_rank is not None:
         child_env["DISTVIDEO_TEST_FAIL_RANK"] = fail_rank
+    stamp = time.monotonic_ns()
+    release = workdir / f"release-{stamp}"
+    if hold:
+        child_env["DISTVIDEO_TEST_HOLD_FILE"] = str(release)
     cmd, full_env = server_command(executor, flags, child_env)
-    log = workdir / f"server-{executor}-{time.monotonic_ns()}.log"
+    log = workdir / f"server-{executor}-{stamp}.log"
     with log.open("wb") as sink:
         proc = subprocess.Popen(
             cmd, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env, start_new_session=True
         )
-    served = Served(proc, log, output, api_key)
+    served = Served(proc, log, output, api_key, release)
     try:
         served._await_ready(START_TIMEOUT_S)
         yield served

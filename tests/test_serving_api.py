@@ -6,16 +6,19 @@ the error gathered from every rank, list pagination, metrics, the API key and th
 from __future__ import annotations
 
 import json
+import signal
 
 import pytest
+import yaml
 
 from distvideo import VideoGenerator
 
-from serving_harness import SMALL, start_server
+from serving_harness import SMALL, assert_stopped_cleanly, jobs_in_store, start_server
 
 KEY = "serving-test-key-0123"
 PROMPT = "a tiny boat on a lake"
 LONG = {"size": "48x32", "num_frames": 5, "num_inference_steps": 400, "seed": 1}  # 20 s+ (SLOW_STEP_ENV): cancelled
+PRESETS = {"seed": 7, "num_inference_steps": 1}  # --config's request section: for jobs that do not set them
 EXECUTORS = [
     pytest.param("inline"),
     pytest.param("mp", marks=pytest.mark.slow),
@@ -30,10 +33,28 @@ def server(request, tmp_path_factory):
 
     workdir = tmp_path_factory.mktemp(f"serve-{request.param}")
     style = build_random_lora(tiny_model_path(), workdir / "style.safetensors", seed=5)
+    presets = workdir / "serve.yaml"
+    presets.write_text(yaml.safe_dump({"request": PRESETS}))
     args = ["--max-queue", "2", "--max-body-bytes", "65536", "--lora-adapter", f"style={style}"]
+    args += ["--config", str(presets), "--shutdown-grace", "1"]
     with start_server(workdir, request.param, args=args, api_key=KEY, fail_rank="all") as served:
         served.executor = request.param
         yield served
+        stop_with_a_job_past_the_grace_period(served)
+
+
+def stop_with_a_job_past_the_grace_period(server) -> None:
+    """The server's last check, as it stops (no extra server per executor): SIGTERM while a job that needs 20 s or
+    more runs; after --shutdown-grace 1 it is cancelled after its current step on every rank, and every rank exits 0."""
+    video = server.create(prompt="outlasts the grace period", **LONG)
+    server.wait_progress(video["id"])
+    code = server.stop(signal.SIGTERM)
+    log = server.log()
+    assert_stopped_cleanly(server.executor, code, log)
+    status, error_code, message = jobs_in_store(server.output)[video["id"]]
+    assert (status, error_code) == ("failed", "server_shutdown"), (status, error_code, message, log)
+    assert "grace period of 1 s" in message and "every rank stopped after step" in message, message
+    assert not (server.output / f"{video['id']}.mp4").exists()
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +140,8 @@ def test_progress_then_delete_cancels_the_running_job(server):
     video = server.create(prompt="a long ride", **LONG)
     running = server.wait_progress(video["id"], at_least=1)
     assert running["status"] == "in_progress" and 1 <= running["progress"] <= 99, running
+    not_yet = server.http.get(f"/v1/videos/{video['id']}/content")  # running: no file yet
+    assert not_yet.status_code == 409 and not_yet.json()["error"]["code"] == "not_ready", not_yet.text
     response = server.http.delete(f"/v1/videos/{video['id']}")
     assert response.status_code == 202 and response.json()["id"] == video["id"]
     failed = server.wait(video["id"])
@@ -139,6 +162,8 @@ def test_a_full_queue_answers_429_and_a_queued_job_can_be_deleted(server):
     refused = server.http.post("/v1/videos", json={"prompt": "one too many", **SMALL})
     assert refused.status_code == 429, refused.text
     assert int(refused.headers["retry-after"]) >= 1 and refused.json()["error"]["code"] == "queue_full"
+    not_yet = server.http.get(f"/v1/videos/{queued[1]['id']}/content")  # queued: no file yet
+    assert not_yet.status_code == 409 and not_yet.json()["error"]["code"] == "not_ready", not_yet.text
     assert server.http.delete(f"/v1/videos/{queued[0]['id']}").json()["deleted"] is True
     assert server.http.get(f"/v1/videos/{queued[0]['id']}").status_code == 404
     assert server.http.delete(f"/v1/videos/{running['id']}").status_code == 202
@@ -230,16 +255,35 @@ def metric_samples(server) -> dict[str, str]:
 
 
 def test_metrics_in_prometheus_text(server):
-    server.wait(server.create(prompt="for the metrics", **SMALL)["id"])
+    """The counters rise by what this test did (other tests on this server counted before)."""
+    counted = (
+        "distvideo_jobs_submitted_total",
+        *(f'distvideo_jobs_finished_total{{outcome="{outcome}"}}' for outcome in ("completed", "failed", "cancelled")),
+        'distvideo_jobs_rejected_total{reason="invalid"}',
+    )
+    before = metric_samples(server)
+    assert server.wait(server.create(prompt="for the metrics", **SMALL)["id"])["status"] == "completed"
+    assert server.wait(server.create(prompt="please inject a fault", **SMALL)["id"])["status"] == "failed"
+    assert server.http.post("/v1/videos", json={"prompt": "x", "size": "47x32"}).status_code == 422  # not admitted
     samples = metric_samples(server)
     assert samples["distvideo_queue_depth"] == "0" and samples["distvideo_up"] == "1"
     assert int(samples['distvideo_jobs{status="completed"}']) >= 1
     assert float(samples['distvideo_stage_seconds_sum{stage="denoising"}']) > 0
-    # a request refused as invalid counts once (other tests on this server may have counted some before)
-    invalid = 'distvideo_jobs_rejected_total{reason="invalid"}'
-    before = int(samples[invalid])
-    assert server.http.post("/v1/videos", json={"prompt": "x", "size": "47x32"}).status_code == 422
-    assert int(metric_samples(server)[invalid]) == before + 1
+    assert {name: int(samples[name]) - int(before[name]) for name in counted} == {
+        "distvideo_jobs_submitted_total": 2,
+        'distvideo_jobs_finished_total{outcome="completed"}': 1,
+        'distvideo_jobs_finished_total{outcome="failed"}': 1,
+        'distvideo_jobs_finished_total{outcome="cancelled"}': 0,
+        'distvideo_jobs_rejected_total{reason="invalid"}': 1,
+    }
+
+
+def test_the_config_file_presets_the_fields_a_request_leaves_unset(server):
+    # a request's own values win over the presets: every SMALL job here sets seed 3 and steps 2, and its file is
+    # compared byte for byte with generate's
+    preset = server.create(prompt="preset", size="48x32", num_frames=5)
+    assert (preset["seed"], preset["num_inference_steps"]) == (7, 1), preset
+    assert server.wait(preset["id"])["status"] == "completed"
 
 
 def test_the_openapi_schema_documents_what_the_server_answers(server):

@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import os
 import signal
-import sqlite3
 import subprocess
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import psutil
@@ -25,34 +23,23 @@ from distvideo.serving.runner import EngineLoop
 from distvideo.serving.server import Frontend
 
 from launchers import console_script
-from serving_harness import FAULTS, SLOW_STEP_ENV, SMALL, start_server
+from serving_harness import (
+    FAULTS,
+    HELD,
+    SLOW_STEP_ENV,
+    SMALL,
+    assert_stopped_cleanly,
+    jobs_in_store,
+    start_server,
+)
 
 LONG = {"size": "48x32", "num_frames": 5, "num_inference_steps": 400, "seed": 1}
-FINISHABLE = {"size": "48x32", "num_frames": 5, "num_inference_steps": 60, "seed": 2}
-
-
-def jobs_in_store(output: Path) -> dict[str, tuple[str, str | None, str | None]]:
-    """id -> (status, error code, error message), read from the store file after the server exited."""
-    with sqlite3.connect(f"file:{output / 'jobs.sqlite3'}?mode=ro", uri=True) as db:
-        rows = db.execute("SELECT id, status, error_code, error_message FROM videos").fetchall()
-    return {row[0]: (row[1], row[2], row[3]) for row in rows}
 
 
 def launched_ranks(server) -> list[psutil.Process]:
     """The rank processes torchrun started (its children running distvideo), in rank order."""
     children = [p for p in psutil.Process(server.proc.pid).children() if "serve" in " ".join(p.cmdline())]
     return sorted(children, key=lambda p: int(p.environ().get("RANK", "-1")))
-
-
-def assert_stopped_cleanly(executor: str, code: int, log: str) -> None:
-    """Exit 0 on every rank after SIGTERM. torchrun itself exits 1 after a SIGTERM whatever its workers did (it raises
-    SignalException by design); there each rank's own line says it stopped, and torchrun had no rank to kill."""
-    if executor != "torchrun":
-        assert code == 0 and "distvideo serve: stopped" in log and "Traceback" not in log, log
-        return
-    assert code == 1 and "SignalException" in log, log
-    assert "distvideo serve: stopped (rank 0)" in log and "distvideo serve: rank 1 stopped" in log, log
-    assert "SIGKILL" not in log and "ERROR" not in log, log
 
 
 @pytest.mark.parametrize(
@@ -64,13 +51,23 @@ def assert_stopped_cleanly(executor: str, code: int, log: str) -> None:
     ],
 )
 def test_sigterm_lets_the_running_job_finish_fails_the_queued_and_exits_0(tmp_path, executor):
-    with start_server(tmp_path, executor, args=["--shutdown-grace", "120"]) as server:
-        running = server.create(prompt="finish me", **FINISHABLE)
+    """The running job is held after its first step (HELD) until the test saw the server stopping, so it cannot end
+    before the signal, nor outlast the grace period."""
+    with start_server(tmp_path, executor, hold=True) as server:
+        running = server.create(prompt="finish me", **HELD)
         queued = server.create(prompt="never started", **SMALL)
         server.wait_progress(running["id"])
         ranks = launched_ranks(server) if executor == "torchrun" else []
         assert len(ranks) == (2 if executor == "torchrun" else 0)
-        code = server.stop(signal.SIGTERM)
+        server.proc.send_signal(signal.SIGTERM)
+        stopping = server.wait_health("stopping")
+        assert stopping.status_code == 503 and "shutting down (SIGTERM)" in stopping.json()["detail"], stopping.text
+        assert server.get(queued["id"])["error"]["code"] == "server_shutdown"
+        refused = server.http.post("/v1/videos", json={"prompt": "too late", **SMALL})
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "unavailable", refused.text
+        assert server.get(running["id"])["status"] == "in_progress"
+        server.release()
+        code = server.wait_exit()
         log = server.log()
     assert_stopped_cleanly(executor, code, log)
     jobs = jobs_in_store(server.output)
@@ -82,17 +79,22 @@ def test_sigterm_lets_the_running_job_finish_fails_the_queued_and_exits_0(tmp_pa
         assert not rank.is_running()
 
 
-@pytest.mark.parametrize("executor", ["inline"])  # the grace timer is the executor's cancel(), tested on each one
-def test_sigterm_cancels_a_job_that_outlasts_the_grace_period(tmp_path, executor):
-    with start_server(tmp_path, executor, args=["--shutdown-grace", "1"]) as server:
-        running = server.create(prompt="too long", **LONG)
+def test_a_second_signal_cancels_the_running_job_at_once(tmp_path):
+    """SIGTERM gives the running job the grace period (60 s here; it needs 20 s or more); SIGINT while stopping ends
+    it after its current step. A job past the grace period is cancelled on every executor: test_serving_api's servers
+    check it as they stop."""
+    with start_server(tmp_path, "inline") as server:
+        running = server.create(prompt="stopped by the second signal", **LONG)
         server.wait_progress(running["id"])
-        code = server.stop(signal.SIGTERM)
+        server.proc.send_signal(signal.SIGTERM)
+        server.wait_health("stopping")
+        code = server.stop(signal.SIGINT)
         log = server.log()
-    assert_stopped_cleanly(executor, code, log)
+    assert_stopped_cleanly("inline", code, log)
+    assert "SIGINT received (2 times)" in log, log
     status, error_code, message = jobs_in_store(server.output)[running["id"]]
     assert (status, error_code) == ("failed", "server_shutdown"), log
-    assert "grace period of 1 s" in message and "every rank stopped after step" in message
+    assert "grace period of 0 s" in message and "every rank stopped after step" in message, message
     assert list(server.output.glob("*.mp4")) == []
 
 
@@ -113,7 +115,11 @@ def test_a_restarted_server_lists_finished_jobs_and_fails_interrupted_ones(tmp_p
         first.wait_progress(interrupted["id"])
         queued = first.create(prompt="queued when it died", **SMALL)
         assert first.stop(signal.SIGKILL) == -signal.SIGKILL  # a crash: nothing cleaned up
-    with start_server(tmp_path / "second", "inline", output=output) as second:
+    # the second server also ends by the forced exit: see the end
+    forced = {"DISTVIDEO_TEST_HARD_EXIT_MARGIN_S": "1"}  # instead of 30 s (serving_faults)
+    with start_server(
+        tmp_path / "second", "inline", output=output, hold=True, env=forced, args=["--shutdown-grace", "0"]
+    ) as second:
         listed = {v["id"]: v for v in second.http.get("/v1/videos").json()["data"]}
         assert set(listed) == {done["id"], interrupted["id"], queued["id"]}
         assert listed[done["id"]]["status"] == "completed"
@@ -123,6 +129,14 @@ def test_a_restarted_server_lists_finished_jobs_and_fails_interrupted_ones(tmp_p
             assert listed[job_id]["error"]["code"] == "server_restarted"
             assert "submit it again" in listed[job_id]["error"]["message"]
         assert second.wait(second.create(prompt="after the restart", **SMALL)["id"])["status"] == "completed"
+        # a shutdown that cannot finish (a step that never ends, held and never released) ends the process anyway,
+        # with 1, --shutdown-grace + HARD_EXIT_MARGIN_S after the signal
+        stuck = second.create(prompt="a step that never ends", **HELD)
+        second.wait_progress(stuck["id"])
+        code = second.stop(signal.SIGTERM)
+        log = second.log()
+    assert code == 1 and "SIGTERM received" in log and "distvideo serve: stopped" not in log, log
+    assert jobs_in_store(output)[stuck["id"]][0] == "in_progress"  # nothing after the step ran
 
 
 @pytest.mark.launcher
@@ -191,11 +205,10 @@ def test_health_from_loading_to_unhealthy_when_an_mp_worker_dies(tmp_path, monke
 @pytest.mark.launcher
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    # mpirun takes the same path (rank 0 hosts the store); its variant passed on this branch and was dropped for time
     "launcher",
-    [pytest.param("srun", marks=pytest.mark.slurm)],
+    [pytest.param("srun", marks=pytest.mark.slurm), pytest.param("mpirun", marks=pytest.mark.mpi)],
 )
-def test_srun_serves_and_stops_on_sigterm(tmp_path, launcher):
+def test_srun_and_mpirun_serve_and_stop_on_sigterm(tmp_path, launcher):
     """Rank 0 hosts the rendezvous store under srun and mpirun (torchrun's agent does under torchrun): jobs reach rank
     1 through it, and at shutdown rank 0 waits until rank 1 read the stop before it exits with the store."""
     with start_server(tmp_path, launcher, fail_rank="all") as server:

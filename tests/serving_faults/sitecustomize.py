@@ -40,3 +40,25 @@ if os.environ.get("DISTVIDEO_TEST_SLOW_STEP_S"):
         return _after_step(self, done, total)
 
     control.StepControl.after_step = _slow_after_step
+
+if os.environ.get("DISTVIDEO_TEST_HOLD_FILE"):
+    import time
+    from pathlib import Path
+
+    from distvideo.pipelines import control
+
+    _RELEASE = Path(os.environ["DISTVIDEO_TEST_HOLD_FILE"])
+    _before_hold = control.StepControl.after_step
+
+    def _held_after_step(self, done, total):
+        _before_hold(self, done, total)  # progress reported, no stop decided: the job is running
+        deadline = time.monotonic() + 600  # never forever: a test that failed kills the server anyway
+        while total == 7 and done == 1 and not _RELEASE.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    control.StepControl.after_step = _held_after_step
+
+if os.environ.get("DISTVIDEO_TEST_HARD_EXIT_MARGIN_S"):
+    from distvideo.serving import server
+
+    server.HARD_EXIT_MARGIN_S = float(os.environ["DISTVIDEO_TEST_HARD_EXIT_MARGIN_S"])

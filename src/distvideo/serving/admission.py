@@ -76,7 +76,9 @@ class Admission:
                 fps = self.model.resolve_request(dataclasses.replace(request, num_frames=None), read_image=False).fps
                 assert fps is not None
                 request = dataclasses.replace(request, num_frames=self._frames_of(body, fps))
-            resolved = self.model.resolve_request(request)
+            resolved = self.model.resolve_request(request)  # reads the image: one that is not is refused here
+            if image_path is not None:  # the engine reads it again on every rank, from the path
+                resolved = dataclasses.replace(resolved, image=image_path)
         except ConfigError as exc:
             raise ApiError(422, str(exc), param=self._param_of(exc, body)) from None
         self._check_limits(resolved, body)
@@ -140,6 +142,8 @@ class Admission:
         name = match.group(1) if match else None
         if name in ("height", "width"):
             return "size"
+        if name == "image":
+            return "input_reference"
         if name == "num_frames" and body.seconds is not None and body.num_frames is None:
             return "seconds"
         return name

@@ -173,17 +173,23 @@ def _add_create_route(app: FastAPI, ctx: AppContext, guard: Guard) -> None:
         """Queue a job (JSON, or multipart/form-data with an input_reference image). Checked against the model and the
         server's limits before it is queued; 429 with Retry-After when the queue is full."""
         job_id = "video_" + secrets.token_hex(12)
+        image_path = ctx.admission.output / f"{job_id}.input"  # named by the server, as the video is
         try:
             body, image = await _read_create_body(request)
             if image is not None and not ctx.admission.takes_image:
                 ctx.admission.admit(body, job_id, image_path="input_reference")  # raises the 422 naming the field
-            api, resolved = ctx.admission.admit(body, job_id)
+            if image is not None:  # every rank reads the file (a path crosses the launcher's job channel)
+                image_path.write_bytes(await image.read())
+            api, resolved = ctx.admission.admit(body, job_id, image_path=None if image is None else str(image_path))
+            if not ctx.service.accepting:
+                raise ApiError(
+                    503, f"the server is not accepting jobs: {ctx.service.health_detail}", code="unavailable"
+                )
         except ApiError as exc:
+            image_path.unlink(missing_ok=True)
             if exc.status in (400, 415, 422):
                 ctx.service.counters.rejected["invalid"] += 1
             raise
-        if not ctx.service.accepting:
-            raise ApiError(503, f"the server is not accepting jobs: {ctx.service.health_detail}", code="unavailable")
         record = ctx.store.insert(
             JobRecord(
                 id=job_id, status=QUEUED, model=ctx.admission.model_id, params={"api": api}, created_at=int(time.time())
@@ -194,6 +200,7 @@ def _add_create_route(app: FastAPI, ctx: AppContext, guard: Guard) -> None:
             ctx.service.enqueue(QueuedJob(id=job_id, request=resolved, lora=lora))
         except QueueFull:
             ctx.store.delete(job_id)
+            image_path.unlink(missing_ok=True)
             raise ApiError(
                 429,
                 f"the queue is full ({ctx.service.max_queue} jobs waiting); retry later",
@@ -203,6 +210,7 @@ def _add_create_route(app: FastAPI, ctx: AppContext, guard: Guard) -> None:
             ) from None
         except ServiceClosed as exc:
             ctx.store.delete(job_id)
+            image_path.unlink(missing_ok=True)
             raise ApiError(503, f"the server is not accepting jobs: {exc}", code="unavailable") from None
         return Video.of(record)
 
@@ -288,11 +296,13 @@ def _add_delete_route(app: FastAPI, ctx: AppContext, guard: Guard) -> None:
         record = _record(ctx, video_id)
         if record.status == QUEUED and ctx.service.remove_queued(video_id):
             ctx.store.delete(video_id)
+            (ctx.admission.output / f"{video_id}.input").unlink(missing_ok=True)
             return VideoDeleted(id=video_id, deleted=True)
         if record.status in (QUEUED, IN_PROGRESS):  # queued a moment ago: the engine loop just took it
             ctx.cancel_running(video_id)
             return JSONResponse(Video.of(_record(ctx, video_id)).model_dump(), status_code=202)
         ctx.store.delete(video_id)
+        (ctx.admission.output / f"{video_id}.input").unlink(missing_ok=True)
         if record.file and "/" not in record.file:
             (ctx.admission.output / record.file).unlink(missing_ok=True)
         return VideoDeleted(id=video_id, deleted=True)
