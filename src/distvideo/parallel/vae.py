@@ -147,12 +147,12 @@ class BandedVaeDecoder:
         self._restore = []
 
     def _patch(self, module: nn.Module, forward: Callable[..., torch.Tensor]) -> None:
-        module.forward = forward  # type: ignore[method-assign]
+        module.forward = forward
         self._restore.append(lambda: delattr(module, "forward"))
 
     def _haloed_causal_conv3d(self, conv: Any) -> Callable[..., torch.Tensor]:
         """WanCausalConv3d.forward with the rows' zero padding replaced by the neighbours' rows inside a decode."""
-        original = conv.forward
+        original: Callable[..., torch.Tensor] = conv.forward  # conv: diffusers' WanCausalConv3d, not annotated
         padding = compat.causal_conv_padding(conv)
         w_pad, w_pad2, h_pad, h_pad2, t_before, t_after = padding
         if (w_pad, h_pad, t_after) != (w_pad2, h_pad2, 0):
