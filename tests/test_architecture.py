@@ -21,6 +21,7 @@ ROWS = {
     "bench": 9,
     "batch": 7,  # beside the generator: VideoGenerator.generate_batch is part of the facade; batch never imports it
     "generator": 7,
+    "protocols": 7,  # structural types of the generator for batch/, serving/ and bench/ (imports it for types only)
     "executors": 6,
     "worker": 5,
     "engine": 5,

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -25,6 +25,13 @@ from distvideo.batch.manifest import Manifest, file_sha256
 from distvideo.config import GenerationRequest
 from distvideo.media import check_output_target, sanitize_prompt, write_video
 from distvideo.models.registry import ModelInfo
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from distvideo.engine import ResolvedEngine
+    from distvideo.outputs import ItemOutcome
+    from distvideo.protocols import EngineHandle
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +98,9 @@ def video_name(item: BatchItem) -> str:
     return f"{item.index:05d}_{sanitize_prompt(request.prompt)[:40]}_seed{request.seed}.mp4"
 
 
-def run_batch(gen: Any, plan: BatchPlan, *, return_frames: bool = False, progress: bool = True) -> list[BatchResult]:
+def run_batch(
+    gen: EngineHandle, plan: BatchPlan, *, return_frames: bool = False, progress: bool = True
+) -> list[BatchResult]:
     """Generate what is left of `plan` on every replica of `gen`; returns one result per item, in input order
     (on world rank 0; other ranks under a launcher get the results of the items their replica ran)."""
     engine = gen.engine
@@ -116,7 +125,7 @@ def run_batch(gen: Any, plan: BatchPlan, *, return_frames: bool = False, progres
     ]
     channel = _Channel.open(engine, plan, shares, record) if engine.launch is not None and layout.replicas > 1 else None
 
-    def on_item(outcome: Any) -> None:  # where the item's frames are: write its video, then its manifest line
+    def on_item(outcome: ItemOutcome) -> None:  # where the item's frames are: write its video, then its manifest line
         item = todo[outcome.index]
         result, entry = _finish(item, outcome, plan.folder, keep_frames=return_frames)
         results[item.index] = result
@@ -142,7 +151,9 @@ def _for_worker(request: GenerationRequest | None) -> GenerationRequest:
     return dataclasses.replace(request, save_video=False, return_frames=True, output_path=None)
 
 
-def _finish(item: BatchItem, outcome: Any, folder: Path, *, keep_frames: bool) -> tuple[BatchResult, dict[str, Any]]:
+def _finish(
+    item: BatchItem, outcome: ItemOutcome, folder: Path, *, keep_frames: bool
+) -> tuple[BatchResult, dict[str, Any]]:
     request = item.request
     assert request is not None and request.fps is not None  # resolved when the item was planned
     if outcome.output is None or outcome.output.frames is None:
@@ -197,7 +208,9 @@ class _Channel:
     """Under a launcher, the other replicas' output ranks hand their manifest lines to world rank 0 through the
     rendezvous store (JSON under a key per item); a thread on rank 0 writes them as they come."""
 
-    def __init__(self, store: Any, prefix: str, expected: list[int], record: Callable[[dict[str, Any]], None] | None):
+    def __init__(
+        self, store: dist.Store, prefix: str, expected: list[int], record: Callable[[dict[str, Any]], None] | None
+    ):
         self.store, self.prefix, self.expected = store, prefix, expected
         self.record = record
         self._stop = threading.Event()
@@ -208,11 +221,16 @@ class _Channel:
 
     @classmethod
     def open(
-        cls, engine: Any, plan: BatchPlan, shares: list[list[tuple[int, Any]]], record: Callable[[dict[str, Any]], None]
+        cls,
+        engine: ResolvedEngine,
+        plan: BatchPlan,
+        shares: list[list[tuple[int, GenerationRequest]]],
+        record: Callable[[dict[str, Any]], None],
     ) -> _Channel:
         import torch.distributed as dist
 
         env = engine.launch
+        assert env is not None  # opened only under a launcher
         job = json.dumps([str(plan.folder.resolve()), [i.fingerprint for i in plan.items], next(_jobs)])
         prefix = f"distvideo/batch/{hashlib.sha256(job.encode()).hexdigest()[:16]}/"
         store = dist.TCPStore(

@@ -7,11 +7,16 @@ import platform
 import statistics
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from distvideo.bench.plan import MATMUL_SECONDS, RATIO_FIGURES, STAGES
 from distvideo.config import GenerationRequest
 from distvideo.devices import component_dtypes, peak_memory_mb, reset_peak_memory
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from distvideo.protocols import GeneratorHandle
 
 
 def measure_matmul_flops(device: Any, dtype: Any, size: int, seconds: float = MATMUL_SECONDS) -> float:
@@ -95,7 +100,7 @@ def device_name(device: Any) -> str:
     return platform.processor() or platform.machine()
 
 
-def distvideo_run(gen: Any, request: GenerationRequest) -> tuple[dict[str, Any], Any]:
+def distvideo_run(gen: GeneratorHandle, request: GenerationRequest) -> tuple[dict[str, Any], np.ndarray | None]:
     """One measured distvideo request on every rank: e2e wall time, stage timings, peak memory of every rank."""
     metrics = gen.collective_rpc(rank_reset_peak_memory)
     start = time.perf_counter()

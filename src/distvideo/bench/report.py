@@ -11,15 +11,18 @@ import statistics
 import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from distvideo.bench.measure import default_matmul_size, device_name, median_record
 from distvideo.bench.plan import MATMUL_SECONDS, RATIO_FIGURES, BenchPlan
 from distvideo.config import GenerationRequest
 
+if TYPE_CHECKING:
+    from distvideo.protocols import GeneratorHandle
+
 
 def build_report(
-    gen: Any,
+    gen: GeneratorHandle,
     plan: BenchPlan,
     request: GenerationRequest,
     runs: list[dict[str, Any]],
@@ -72,7 +75,9 @@ def build_report(
     }
 
 
-def environment(gen: Any, plan: BenchPlan, rank_envs: list[dict[str, Any]], runs: list[dict[str, Any]]) -> dict:
+def environment(
+    gen: GeneratorHandle, plan: BenchPlan, rank_envs: list[dict[str, Any]], runs: list[dict[str, Any]]
+) -> dict:
     import diffusers
     import torch
     import transformers

@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from distvideo.bench.baseline import DiffusersBaseline, DiffusersSpec
 from distvideo.bench.measure import (
@@ -27,6 +27,9 @@ from distvideo.bench.measure import (
 from distvideo.bench.plan import BenchPlan, plan_from_args
 from distvideo.bench.report import build_report, format_report, write_json
 from distvideo.config import GenerationRequest
+
+if TYPE_CHECKING:
+    from distvideo.protocols import GeneratorHandle
 
 logger = logging.getLogger("distvideo.cli")
 
@@ -67,7 +70,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def run_bench(
-    gen: Any,
+    gen: GeneratorHandle,
     plan: BenchPlan,
     request: GenerationRequest,
     show_progress: bool,
@@ -93,7 +96,7 @@ def run_bench(
 
 
 def load_baseline(
-    gen: Any,
+    gen: GeneratorHandle,
     plan: BenchPlan,
     request: GenerationRequest,
     rank_envs: list[dict[str, Any]],
@@ -124,7 +127,7 @@ def load_baseline(
 
 
 def measure_interleaved(
-    gen: Any,
+    gen: GeneratorHandle,
     plan: BenchPlan,
     request: GenerationRequest,
     baseline: DiffusersBaseline | None,

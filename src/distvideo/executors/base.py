@@ -14,10 +14,13 @@ import threading
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from distvideo.config import GenerationRequest
 from distvideo.errors import GenerationCancelled, GenerationTimeout, RankFailure
+
+if TYPE_CHECKING:
+    from distvideo.outputs import ItemOutcome, WorkerOutput
 
 
 @dataclass
@@ -134,12 +137,16 @@ class Executor(abc.ABC):
         """Run `method` on every rank's worker; results in rank order; one RankFailure if any rank failed."""
 
     @abc.abstractmethod
-    def execute_forward(self, request: GenerationRequest, on_progress: Callable[[int, int], None] | None = None) -> Any:
+    def execute_forward(
+        self, request: GenerationRequest, on_progress: Callable[[int, int], None] | None = None
+    ) -> WorkerOutput:
         """Run one request on every rank; return the output rank's WorkerOutput (others: their own).
         `on_progress(done, total)` is called in this process after every denoising step."""
 
     @abc.abstractmethod
-    def execute_batch(self, shares: list[list[tuple[int, GenerationRequest]]], on_item: Callable[[Any], None]) -> None:
+    def execute_batch(
+        self, shares: list[list[tuple[int, GenerationRequest]]], on_item: Callable[[ItemOutcome], None]
+    ) -> None:
         """Every replica runs its share (replica k: `shares[k]`, (index, request) pairs, in order); replicas do not
         wait on each other until the end. `on_item(ItemOutcome)` is called after every item, in the process that holds
         its frames: this one (inline, mp), or the replica's output rank (under a launcher)."""

@@ -34,7 +34,7 @@ from distvideo.executors.base import Executor, RankStatus, RequestIds, collectiv
 from distvideo.executors.heartbeat import Heartbeat, Pulse, diagnose, first_line, ranks_text
 from distvideo.launch import torch_env_for
 from distvideo.logging_utils import set_log_rank
-from distvideo.outputs import WorkerOutput
+from distvideo.outputs import ItemOutcome, WorkerOutput
 from distvideo.parallel.collectives import collective
 from distvideo.worker import RankInfo, Worker
 
@@ -123,13 +123,15 @@ class ExternalExecutor(Executor):
                 "execute_forward",
                 lambda: worker.execute_method("execute_forward", request, on_progress=on_progress, cancelled=cancelled),
             )
-        local = status.result
+        local: WorkerOutput = status.result
         # a request stopped on purpose stopped on every rank at the same step (StepControl): nothing to settle
         settle = status.error_type not in ("GenerationCancelled", "GenerationTimeout", "ConfigError")
         self._exchange("execute_forward", "execute_forward", dataclasses.replace(status, result=None), settle=settle)
         return local
 
-    def execute_batch(self, shares: list[list[tuple[int, GenerationRequest]]], on_item: Callable[[Any], None]) -> None:
+    def execute_batch(
+        self, shares: list[list[tuple[int, GenerationRequest]]], on_item: Callable[[ItemOutcome], None]
+    ) -> None:
         """This rank runs its replica's share; the ranks exchange statuses once, at the end."""
         worker = self._live_worker()
         with self._requests.running() as cancelled:

@@ -8,7 +8,7 @@ from typing import Any
 from distvideo.config import GenerationRequest
 from distvideo.engine import ResolvedEngine
 from distvideo.executors.base import Executor, RequestIds, collective_error, run_guarded
-from distvideo.outputs import WorkerOutput
+from distvideo.outputs import ItemOutcome, WorkerOutput
 from distvideo.worker import RankInfo, Worker
 
 
@@ -52,9 +52,12 @@ class InlineExecutor(Executor):
             results = self.collective_rpc(
                 "execute_forward", args=(request,), kwargs={"on_progress": on_progress, "cancelled": cancelled}
             )
-        return results[0]
+        output: WorkerOutput = results[0]
+        return output
 
-    def execute_batch(self, shares: list[list[tuple[int, GenerationRequest]]], on_item: Callable[[Any], None]) -> None:
+    def execute_batch(
+        self, shares: list[list[tuple[int, GenerationRequest]]], on_item: Callable[[ItemOutcome], None]
+    ) -> None:
         with self._requests.running() as cancelled:
             self.collective_rpc("execute_batch", args=(shares, on_item), kwargs={"cancelled": cancelled})
 

@@ -56,7 +56,8 @@ from distvideo.executors.mp_wire import (
 )
 
 if TYPE_CHECKING:
-    from distvideo.outputs import WorkerOutput
+    from distvideo.executors.mp_wire import SharedFrames
+    from distvideo.outputs import ItemOutcome, WorkerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -132,11 +133,15 @@ class MultiprocExecutor(Executor):
         for status in statuses:
             if status.rank != self.output_rank:
                 discard(status)  # other ranks send no frames; a guard, not a path
+        output: WorkerOutput
+        shared: SharedFrames | None
         output, shared = statuses[self.output_rank].result
         frames = take_frames(shared) if shared is not None else None
         return dataclasses.replace(output, frames=frames)
 
-    def execute_batch(self, shares: list[list[tuple[int, GenerationRequest]]], on_item: Callable[[Any], None]) -> None:
+    def execute_batch(
+        self, shares: list[list[tuple[int, GenerationRequest]]], on_item: Callable[[ItemOutcome], None]
+    ) -> None:
         """Every worker runs its replica's share; the driver receives each item (frames through shared memory) as its
         replica's output rank finishes it, and calls `on_item` here."""
         self._call(OP_BATCH, dumps(shares), "execute_batch", None, on_item=on_item)
@@ -153,7 +158,7 @@ class MultiprocExecutor(Executor):
         method: str | Callable[..., Any],
         timeout: float | None,
         on_progress: Callable[[int, int], None] | None = None,
-        on_item: Callable[[Any], None] | None = None,
+        on_item: Callable[[ItemOutcome], None] | None = None,
     ) -> list[RankStatus]:
         if timeout is not None and not timeout > 0:
             raise ValueError(f"collective_rpc: timeout={timeout} must be a positive number of seconds, or None")
@@ -216,7 +221,7 @@ class MultiprocExecutor(Executor):
         *,
         settle: bool = False,
         on_progress: Callable[[int, int], None] | None = None,
-        on_item: Callable[[Any], None] | None = None,
+        on_item: Callable[[ItemOutcome], None] | None = None,
     ) -> list[RankStatus]:
         """Every rank's status of call `call_id` (progress notes go to `on_progress` as they arrive). `settle`
         (execute_forward, whose ranks run in lockstep): once a rank has failed, the others get
@@ -278,7 +283,7 @@ class MultiprocExecutor(Executor):
         return [s for s in statuses if s is not None]
 
     @staticmethod
-    def _deliver_item(note: ItemNote, on_item: Callable[[Any], None] | None) -> None:
+    def _deliver_item(note: ItemNote, on_item: Callable[[ItemOutcome], None] | None) -> None:
         frames = take_frames(note.frames) if note.frames is not None else None
         outcome = note.outcome
         if outcome.output is not None:

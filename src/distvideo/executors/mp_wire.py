@@ -22,7 +22,7 @@ import numpy as np
 from distvideo.executors.base import RankStatus
 
 if TYPE_CHECKING:
-    from distvideo.outputs import WorkerOutput
+    from distvideo.outputs import ItemOutcome, WorkerOutput
 
 # Wire format. Driver -> worker: a header (call id, op) followed by the payload. Worker -> driver: a
 # pickled (call id, RankStatus). Call id 0 is the start-up report.
@@ -59,7 +59,7 @@ class ProgressNote:
 class ItemNote:
     """Sent by a replica's output rank after every batch item: the item's outcome, its frames in shared memory."""
 
-    outcome: Any  # distvideo.outputs.ItemOutcome, without frames
+    outcome: ItemOutcome  # without frames
     frames: SharedFrames | None
 
 
@@ -108,7 +108,8 @@ def dumps(obj: Any) -> bytes:
     try:
         return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     except (pickle.PicklingError, AttributeError, TypeError):
-        return cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        data: bytes = cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)  # cloudpickle has no annotations
+        return data
 
 
 def describe_exit(exitcode: int | None) -> str:

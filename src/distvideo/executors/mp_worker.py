@@ -21,7 +21,7 @@ import threading
 import time
 from multiprocessing.connection import Connection
 from multiprocessing.shared_memory import SharedMemory
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from distvideo.engine import ResolvedEngine
 from distvideo.executors.base import RankStatus, run_guarded
@@ -41,6 +41,7 @@ from distvideo.executors.mp_wire import (
 )
 
 if TYPE_CHECKING:
+    from distvideo.outputs import ItemOutcome
     from distvideo.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -190,7 +191,7 @@ def _serve(conn: Connection, worker: Worker, rank: int, control: ControlBlock) -
 
 def _execute(
     worker: Worker, op: int, payload: memoryview, conn: Connection, call_id: int, control: ControlBlock
-) -> Any:
+) -> object:  # whatever the called worker method returns (for a forward: its output with the frames exported)
     if op & IN_SHM:
         name, size = pickle.loads(payload)
         segment = SharedMemory(name=name)
@@ -215,7 +216,9 @@ def _execute(
     if op == OP_BATCH:
         shares = pickle.loads(payload)
 
-        def report(outcome: Any) -> None:  # a replica's output rank, after every item: its frames via shared memory
+        def report(
+            outcome: ItemOutcome,
+        ) -> None:  # a replica's output rank, after every item: its frames via shared memory
             output, shared = export_frames(outcome.output) if outcome.output is not None else (None, None)
             conn.send_bytes(dumps((call_id, ItemNote(dataclasses.replace(outcome, output=output), shared))))
 

@@ -5,15 +5,18 @@ two-phase LoRA transaction over all ranks), so the weights agree everywhere."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from distvideo.config import LoraSpec
+
+if TYPE_CHECKING:
+    from distvideo.protocols import GeneratorHandle
 
 Active = tuple[tuple[str, float], ...]
 
 
 class Adapters:
-    def __init__(self, gen: Any, base: list[LoraSpec], registered: dict[str, str]):
+    def __init__(self, gen: GeneratorHandle, base: list[LoraSpec], registered: dict[str, str]):
         self.gen = gen
         self.base: Active = tuple((f"engine:{i}:{Path(s.path).stem}", s.strength) for i, s in enumerate(base))
         self._paths = {nick: spec.path for (nick, _), spec in zip(self.base, base, strict=True)}

@@ -54,7 +54,9 @@ class Admission:
         """Whether the served family takes a conditioning image (`input_reference`)."""
         return self.model.family.takes_image
 
-    def admit(self, body: VideoCreate, job_id: str, image_path: str | None = None) -> tuple[dict[str, Any], Any]:
+    def admit(
+        self, body: VideoCreate, job_id: str, image_path: str | None = None
+    ) -> tuple[dict[str, Any], GenerationRequest]:
         """(the job's fields as the API shows them, the resolved GenerationRequest). Raises ApiError(422)."""
         if body.model is not None and body.model != self.model_id:
             raise ApiError(

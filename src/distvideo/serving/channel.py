@@ -19,12 +19,15 @@ import secrets
 import threading
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
 from distvideo.errors import ProcessGroupBrokenError
 from distvideo.launch import LaunchEnv
+
+if TYPE_CHECKING:
+    from distvideo.protocols import GeneratorHandle
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +58,7 @@ class JobChannel:
         self._watcher: threading.Thread | None = None
 
     @classmethod
-    def open(cls, gen: Any, env: LaunchEnv) -> JobChannel:
+    def open(cls, gen: GeneratorHandle, env: LaunchEnv) -> JobChannel:
         """Called by every rank at the same point (right after the model loaded)."""
         tokens = gen.collective_rpc(_session_token, args=(secrets.token_hex(8),))
         return cls(env, str(tokens[0]))

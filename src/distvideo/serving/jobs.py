@@ -8,7 +8,10 @@ import collections
 import math
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from distvideo.config import GenerationRequest
 
 LOADING, OK, STOPPING, UNHEALTHY = "loading", "ok", "stopping", "unhealthy"
 
@@ -16,7 +19,7 @@ LOADING, OK, STOPPING, UNHEALTHY = "loading", "ok", "stopping", "unhealthy"
 @dataclass
 class QueuedJob:
     id: str
-    request: Any  # the resolved GenerationRequest
+    request: GenerationRequest  # resolved
     lora: tuple[str, float] | None = None
 
 

@@ -9,7 +9,7 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from distvideo.config import GenerationRequest
 from distvideo.errors import (
@@ -24,6 +24,9 @@ from distvideo.serving.channel import JobChannel
 from distvideo.serving.jobs import STOPPING, UNHEALTHY, QueuedJob, Service
 from distvideo.serving.store import JobStore
 
+if TYPE_CHECKING:
+    from distvideo.protocols import GeneratorHandle
+
 logger = logging.getLogger(__name__)
 
 #: errors after which the engine cannot run another job: the process exits nonzero so it is restarted
@@ -32,7 +35,12 @@ FATAL = (WorkerDiedError, ProcessGroupBrokenError)
 
 class EngineLoop:
     def __init__(
-        self, gen: Any, service: Service, store: JobStore, adapters: Adapters, channel: JobChannel | None = None
+        self,
+        gen: GeneratorHandle,
+        service: Service,
+        store: JobStore,
+        adapters: Adapters,
+        channel: JobChannel | None = None,
     ):
         self.gen, self.service, self.store, self.adapters, self.channel = gen, service, store, adapters, channel
         self.broken: BaseException | None = None
@@ -144,7 +152,7 @@ class EngineLoop:
             self.store.mark_failed(job.id, "engine_failure", f"the engine failed before this job started: {message}")
 
 
-def follow(gen: Any, channel: JobChannel, adapters: Adapters) -> int:
+def follow(gen: GeneratorHandle, channel: JobChannel, adapters: Adapters) -> int:
     """A launched rank other than 0: run every job rank 0 announces, with the same request, until it says stop."""
     while True:
         message = channel.receive()

@@ -17,7 +17,7 @@ import socket
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from distvideo.config import EngineConfig
 from distvideo.engine import ResolvedEngine
@@ -31,6 +31,9 @@ from distvideo.serving.lifecycle import HttpServer, StopSignals, bind
 from distvideo.serving.options import ServeOptions, describe
 from distvideo.serving.runner import EngineLoop, follow
 from distvideo.serving.store import STORE_NAME, JobStore
+
+if TYPE_CHECKING:
+    from distvideo.protocols import GeneratorHandle
 
 logger = logging.getLogger("distvideo.serving")
 
@@ -170,7 +173,7 @@ def serve(config: EngineConfig, options: ServeOptions, presets: dict[str, Any] |
 
 def _run_rank0(
     rank0: Frontend,
-    gen: Any,
+    gen: GeneratorHandle,
     adapters: Adapters,
     channel: JobChannel | None,
     stop: threading.Event,
