@@ -159,3 +159,69 @@ def test_functions_are_small():
 def test_listed_exceptions_are_still_needed(name):
     """An exception that no longer applies is removed from the list (and from docs/architecture.md)."""
     assert len(modules()[name].read_text().splitlines()) > MAX_FILE_LINES
+
+
+# The seams between the generator and what uses it (issue 27): the generator (`gen`: distvideo.protocols), a batch
+# item's outcome (`outcome`, `on_item`: ItemOutcome) and a forward's result (`execute_forward`: WorkerOutput) are
+# typed, in these packages and in worker.py; an `Any` there would hide them from mypy again.
+SEAM_PACKAGES = ("executors", "parallel", "batch", "serving", "bench")
+SEAM_NAMES = {"gen", "outcome", "on_item"}
+
+
+def _says_any(annotation: ast.expr | None) -> bool:
+    """No annotation, or one that mentions Any (as `Any`, `typing.Any` or inside a string)."""
+    if annotation is None:
+        return True
+    if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):
+        annotation = ast.parse(annotation.value, mode="eval").body
+    return any(
+        (isinstance(n, ast.Name) and n.id == "Any") or (isinstance(n, ast.Attribute) and n.attr == "Any")
+        for n in ast.walk(annotation)
+    )
+
+
+def untyped_seams(source: str) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            params = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]
+            found += [
+                f"{node.name}({p.arg}) line {node.lineno}"
+                for p in params
+                if p.arg in SEAM_NAMES and _says_any(p.annotation)
+            ]
+            if node.name == "execute_forward" and _says_any(node.returns):
+                found.append(f"execute_forward -> Any, line {node.lineno}")
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id in SEAM_NAMES:
+            if _says_any(node.annotation):
+                found.append(f"{node.target.id}: Any, line {node.lineno}")
+    return found
+
+
+def test_the_generator_seams_are_typed():
+    seams = {m: p for m, p in modules().items() if top(m) in SEAM_PACKAGES or m == "distvideo.worker"}
+    assert len({top(m) for m in seams}) == len(SEAM_PACKAGES) + 1  # every package found: the check looks somewhere
+    untyped = {m: found for m, p in seams.items() if (found := untyped_seams(p.read_text()))}
+    assert untyped == {}
+
+
+def test_the_seam_check_sees_an_any():
+    source = (
+        "from typing import Any\n"
+        "import typing\n"
+        "def run_batch(gen: Any, plan): ...\n"
+        "def on_item(outcome: 'typing.Any') -> None: ...\n"
+        "def execute_batch(shares, on_item: Callable[[Any], None]): ...\n"
+        "class Note:\n    outcome: Any\n"
+        "class E:\n    def execute_forward(self, request) -> Any: ...\n"
+        "def follow(gen, channel): ...\n"
+        "def fine(gen: GeneratorHandle, outcome: ItemOutcome) -> WorkerOutput: ...\n"
+    )
+    assert untyped_seams(source) == [
+        "run_batch(gen) line 3",
+        "on_item(outcome) line 4",
+        "execute_batch(on_item) line 5",
+        "follow(gen) line 10",
+        "outcome: Any, line 7",
+        "execute_forward -> Any, line 9",
+    ]
