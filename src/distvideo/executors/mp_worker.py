@@ -216,9 +216,8 @@ def _execute(
     if op == OP_BATCH:
         shares = pickle.loads(payload)
 
-        def report(
-            outcome: ItemOutcome,
-        ) -> None:  # a replica's output rank, after every item: its frames via shared memory
+        # a replica's output rank, after every item: its frames via shared memory
+        def report(outcome: ItemOutcome) -> None:
             output, shared = export_frames(outcome.output) if outcome.output is not None else (None, None)
             conn.send_bytes(dumps((call_id, ItemNote(dataclasses.replace(outcome, output=output), shared))))
 
