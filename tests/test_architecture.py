@@ -225,3 +225,26 @@ def test_the_seam_check_sees_an_any():
         "outcome: Any, line 7",
         "execute_forward -> Any, line 9",
     ]
+
+
+def _store_constructions(tree: ast.AST) -> list[int]:
+    """Lines that construct a torch.distributed TCPStore (``TCPStore(...)``, ``dist.TCPStore(...)``)."""
+    return [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and (getattr(node.func, "attr", None) == "TCPStore" or getattr(node.func, "id", None) == "TCPStore")
+    ]
+
+
+def test_one_store_channel():
+    """Every connection to the rendezvous store is made by `executors.store.connect` (one naming rule, one timeout
+    policy): no other module builds a TCPStore client of its own."""
+    found = {
+        name: lines
+        for name, path in modules().items()
+        if name != "distvideo.executors.store" and (lines := _store_constructions(ast.parse(path.read_text())))
+    }
+    assert found == {}, f"TCPStore built outside executors/store.py (use executors.store.connect): {found}"
+    assert _store_constructions(ast.parse((PACKAGE / "executors" / "store.py").read_text())), "the check sees none"
+    assert _store_constructions(ast.parse("import torch.distributed as dist\ndist.TCPStore('h', 1)")) == [2]

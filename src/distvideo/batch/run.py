@@ -13,7 +13,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,9 +26,8 @@ from distvideo.media import check_output_target, sanitize_prompt, write_video
 from distvideo.models.registry import ModelInfo
 
 if TYPE_CHECKING:
-    import torch.distributed as dist
-
     from distvideo.engine import ResolvedEngine
+    from distvideo.executors.store import StoreChannel
     from distvideo.outputs import ItemOutcome
     from distvideo.protocols import EngineHandle
 
@@ -209,9 +207,9 @@ class _Channel:
     rendezvous store (JSON under a key per item); a thread on rank 0 writes them as they come."""
 
     def __init__(
-        self, store: dist.Store, prefix: str, expected: list[int], record: Callable[[dict[str, Any]], None] | None
+        self, store: StoreChannel, expected: list[int], record: Callable[[dict[str, Any]], None] | None
     ):
-        self.store, self.prefix, self.expected = store, prefix, expected
+        self.store, self.expected = store, expected
         self.record = record
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -227,28 +225,25 @@ class _Channel:
         shares: list[list[tuple[int, GenerationRequest]]],
         record: Callable[[dict[str, Any]], None],
     ) -> _Channel:
-        import torch.distributed as dist
+        from distvideo.executors.store import connect  # torch.distributed: only under a launcher
 
         env = engine.launch
         assert env is not None  # opened only under a launcher
         job = json.dumps([str(plan.folder.resolve()), [i.fingerprint for i in plan.items], next(_jobs)])
-        prefix = f"distvideo/batch/{hashlib.sha256(job.encode()).hexdigest()[:16]}/"
-        store = dist.TCPStore(
-            env.master_addr, env.master_port, is_master=False, timeout=timedelta(seconds=30), wait_for_workers=False
-        )
+        store = connect(env, f"batch/{hashlib.sha256(job.encode()).hexdigest()[:16]}")
         expected = [index for share in shares[1:] for index, _ in share]  # replica 0 is world rank 0's own
-        return cls(store, prefix, expected, record if env.rank == 0 else None)
+        return cls(store, expected, record if env.rank == 0 else None)
 
     def publish(self, entry: dict[str, Any]) -> None:
-        self.store.set(f"{self.prefix}{entry['index']}", json.dumps(entry))
+        self.store.set(str(entry["index"]), json.dumps(entry))
 
     def _sweep(self) -> None:
         assert self.record is not None
         for index in list(self.expected):
-            key = f"{self.prefix}{index}"
-            if self.store.check([key]):
+            key = str(index)
+            if self.store.has(key):
                 self.record(json.loads(self.store.get(key)))
-                self.store.delete_key(key)
+                self.store.delete(key)
                 self.expected.remove(index)
 
     def _collect(self) -> None:

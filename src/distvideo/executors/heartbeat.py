@@ -12,18 +12,16 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from datetime import timedelta
-
-import torch.distributed as dist
 
 from distvideo import envs
+from distvideo.executors.store import CALL_TIMEOUT, StoreChannel, connect
 from distvideo.launch import LaunchEnv
 
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 0.5  # how often each rank bumps its heartbeat in the rendezvous store
 LOST_AFTER_S = 3.0  # after a failed collective: a rank whose heartbeat does not move for this long is lost
-STORE_TIMEOUT_S = 5.0  # the longest one call on a heartbeat's store connection can block
+STORE_TIMEOUT_S = CALL_TIMEOUT.total_seconds()  # the longest one call on a heartbeat's store connection can block
 
 
 @dataclass(frozen=True)
@@ -40,8 +38,8 @@ class Pulse:
         return "|".join([str(self.beat), str(self.call), self.phase, self.what, self.detail.replace("\n", " ")])
 
     @classmethod
-    def decode(cls, raw: bytes) -> Pulse:
-        beat, call, phase, what, detail = raw.decode(errors="replace").split("|", 4)
+    def decode(cls, raw: str) -> Pulse:
+        beat, call, phase, what, detail = raw.split("|", 4)
         return cls(int(beat), int(call), phase, what, detail)
 
     def describe(self) -> str:
@@ -62,9 +60,9 @@ class Heartbeat:
     def __init__(self, env: LaunchEnv):
         self.rank, self.world_size = env.rank, env.world_size
         Heartbeat.instances += 1
-        self._prefix = f"distvideo/heartbeat/{Heartbeat.instances}/"  # a later generator's keys are its own
-        self._publisher = self._connect(env)  # the thread's connection
-        self._reader = self._connect(env)  # the caller's
+        namespace = f"heartbeat/{Heartbeat.instances}"  # a later generator's keys are its own
+        self._publisher: StoreChannel | None = connect(env, namespace)  # the thread's connection
+        self._reader: StoreChannel | None = connect(env, namespace)  # the caller's
         self._pulse = Pulse(0, 0, "idle", "start-up")
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="distvideo-heartbeat", daemon=True)
@@ -80,17 +78,8 @@ class Heartbeat:
             return None
 
     @staticmethod
-    def _connect(env: LaunchEnv) -> dist.TCPStore:
-        return dist.TCPStore(
-            env.master_addr,
-            env.master_port,
-            is_master=False,
-            timeout=timedelta(seconds=STORE_TIMEOUT_S),
-            wait_for_workers=False,
-        )
-
-    def key(self, rank: int) -> str:
-        return f"{self._prefix}{rank}"
+    def key(rank: int) -> str:
+        return str(rank)
 
     def publish(self, pulse: Pulse) -> None:
         """Called by the main thread at each phase of a call: no I/O, so calls cost nothing more; the thread sends the
@@ -102,8 +91,11 @@ class Heartbeat:
         while not self._stopped.is_set():
             beat += 1
             pulse = dataclasses.replace(self._pulse, beat=beat)
+            publisher = self._publisher
             try:
-                self._publisher.set(self.key(self.rank), pulse.encode())
+                if publisher is None:
+                    return
+                publisher.set(self.key(self.rank), pulse.encode())
             except Exception:
                 return  # the store went away with its host; the survivors find out when they look
             self._stopped.wait(HEARTBEAT_INTERVAL_S)
@@ -111,9 +103,12 @@ class Heartbeat:
     def read(self) -> dict[int, Pulse]:
         """The last pulse of every other rank that sent one; raises when the store is unreachable."""
         out: dict[int, Pulse] = {}
+        reader = self._reader
+        if reader is None:
+            raise RuntimeError("the heartbeat was stopped")
         for r in range(self.world_size):
-            if r != self.rank and self._reader.check([self.key(r)]):
-                out[r] = Pulse.decode(self._reader.get(self.key(r)))
+            if r != self.rank and reader.has(self.key(r)):
+                out[r] = Pulse.decode(reader.get(self.key(r)))
         return out
 
     def survey(self, within: float) -> tuple[dict[int, Pulse], set[int]]:
@@ -141,7 +136,10 @@ class Heartbeat:
         self._thread.join(timeout=STORE_TIMEOUT_S + 2.0)
         if self._thread.is_alive():
             logger.warning("the heartbeat thread did not stop within %.0f s", STORE_TIMEOUT_S + 2.0)
-        self._publisher = self._reader = None  # type: ignore[assignment]
+        for channel in (self._publisher, self._reader):
+            if channel is not None:
+                channel.close()
+        self._publisher = self._reader = None
 
 
 def diagnose(heartbeat: Heartbeat | None, env: LaunchEnv, call: int) -> tuple[str, list[str]]:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from distvideo.errors import ProcessGroupBrokenError
+from distvideo.executors.store import connect
 from distvideo.launch import LaunchEnv
 
 if TYPE_CHECKING:
@@ -32,13 +33,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 WAIT = timedelta(hours=6)  # one store wait; an idle follower simply waits again
-CONNECT_TIMEOUT = timedelta(seconds=60)
-
-
-def _connect(env: LaunchEnv) -> dist.TCPStore:
-    return dist.TCPStore(
-        env.master_addr, env.master_port, is_master=False, timeout=CONNECT_TIMEOUT, wait_for_workers=False
-    )
 
 
 def _session_token(worker: Any, token: str) -> str:
@@ -51,8 +45,8 @@ class JobChannel:
 
     def __init__(self, env: LaunchEnv, session: str):
         self.env = env
-        self.prefix = f"distvideo/serve/{session}/"
-        self._store = _connect(env)
+        self.namespace = f"serve/{session}"
+        self._store = connect(env, self.namespace)
         self._sent = 0
         self._received = 0
         self._watcher: threading.Thread | None = None
@@ -63,16 +57,13 @@ class JobChannel:
         tokens = gen.collective_rpc(_session_token, args=(secrets.token_hex(8),))
         return cls(env, str(tokens[0]))
 
-    def _key(self, name: str) -> str:
-        return self.prefix + name
-
     # -- rank 0 ----------------------------------------------------------------------------------
     def publish(self, message: dict[str, Any]) -> None:
         self._sent += 1
-        self._store.set(self._key(f"msg/{self._sent}"), json.dumps(message))
+        self._store.set(f"msg/{self._sent}", json.dumps(message))
         if self._sent > 2:
             # every rank read message n-2: it ran job n-2's collectives with rank 0 before rank 0 got here
-            self._store.delete_key(self._key(f"msg/{self._sent - 2}"))
+            self._store.delete(f"msg/{self._sent - 2}")
 
     def stop_everyone(self, reason: str, timeout_s: float = 30.0) -> list[int]:
         """Publish the stop and wait (at most `timeout_s`) until every rank read it: under srun and mpirun rank 0 hosts
@@ -81,20 +72,20 @@ class JobChannel:
         self.publish({"kind": "stop", "reason": reason})
         missing = [r for r in range(1, self.env.world_size)]
         try:
-            self._store.wait([self._key(f"stopped/{r}") for r in missing], timedelta(seconds=timeout_s))
+            self._store.wait([f"stopped/{r}" for r in missing], timedelta(seconds=timeout_s))
             return []
         except dist.DistError:
-            return [r for r in missing if not self._store.check([self._key(f"stopped/{r}")])]
+            return [r for r in missing if not self._store.has(f"stopped/{r}")]
 
     def acknowledge_stop(self) -> None:
-        self._store.set(self._key(f"stopped/{self.env.rank}"), "1")
+        self._store.set(f"stopped/{self.env.rank}", "1")
 
     def watch_stop_requests(self, on_request: Callable[[str], None]) -> None:
         """A thread that waits for any rank's stop request and passes its reason on (once)."""
 
         def run() -> None:
-            store = _connect(self.env)
-            key = self._key("stop-request")
+            store = connect(self.env, self.namespace)
+            key = "stop-request"
             while True:
                 try:
                     store.wait([key], WAIT)
@@ -114,14 +105,15 @@ class JobChannel:
     def request_stop(self, reason: str) -> None:
         """Ask rank 0 to shut the service down (on this rank's own connection: safe from any thread)."""
         try:
-            _connect(self.env).set(self._key("stop-request"), json.dumps({"rank": self.env.rank, "reason": reason}))
+            stop = json.dumps({"rank": self.env.rank, "reason": reason})
+            connect(self.env, self.namespace).set("stop-request", stop)
         except Exception as exc:
             logger.warning("could not pass the stop request to rank 0 (%s)", exc)
 
     # -- ranks other than 0 ------------------------------------------------------------------------
     def receive(self) -> dict[str, Any]:
         """The next message, waiting for it as long as it takes; ProcessGroupBrokenError if the store is gone."""
-        key = self._key(f"msg/{self._received + 1}")
+        key = f"msg/{self._received + 1}"
         while True:
             try:
                 self._store.wait([key], WAIT)
