@@ -30,6 +30,16 @@ def test_wrong_type_names_key_and_value(tmp_path):
         load_config_file(write(tmp_path, "request:\n  height: tall\n"))
 
 
+@pytest.mark.parametrize("item", ["''", "'transformer_2='"], ids=["empty", "target-only"])
+def test_a_bad_lora_string_in_the_file_names_the_file_and_the_key(tmp_path, item):
+    """Found by test_fuzz.py's config-file property: an empty adapter string in `engine.lora` was refused with the
+    `--lora` flag's message, naming neither the file nor the key."""
+    p = write(tmp_path, f"engine:\n  lora: [x.safetensors, {item}]\n")
+    with pytest.raises(ConfigError) as info:
+        load_config_file(p)
+    assert str(info.value).startswith(f"--config {p}: 'engine.lora[1]': empty value"), str(info.value)
+
+
 def test_unparseable_file(tmp_path):
     with pytest.raises(ConfigError, match="cannot parse"):
         load_config_file(write(tmp_path, "request: [unclosed\n"))

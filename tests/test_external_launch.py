@@ -1,10 +1,10 @@
 """The external-launcher executor under real torchrun, srun and mpirun (CPU, gloo, 2 ranks).
 
-Each launcher runs (1) the `distvideo generate` command, which must write exactly one video, byte-identical
-to the mp executor's on the same 2-rank layout, and leave no gloo thread alive when its ranks' interpreters exit, and
-(2) a script exercising the API: output only on rank 0, frames within 2 of the single-process run's, a failure planted
-on rank 1 raising the same error on both ranks, divergent
-prompts refused on every rank.
+Each launcher (torchrun, srun, Open MPI's and MPICH's mpirun) runs one 2-rank launch in which every rank runs (1) the
+`distvideo generate` command in-process, which must write exactly one video, byte-identical to the mp executor's on
+the same 2-rank layout, then (2) a script exercising the API: output only on rank 0, frames within 2 of the
+single-process run's, a failure planted on rank 1 raising the same error on both ranks, divergent prompts refused on
+every rank, the thread policy; and no gloo thread may be alive when its ranks' interpreters exit.
 """
 
 from __future__ import annotations
@@ -12,9 +12,11 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -95,8 +97,30 @@ def exit_threads_probe(folder: Path) -> dict[str, str]:
     }
 
 
-@pytest.mark.parametrize("launcher", LAUNCH_PARAMS)
-def test_generate_command_writes_one_video_equal_to_the_mp_executors(launcher, tmp_path, mp_video):
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory) -> Callable[[str], tuple[Path, subprocess.CompletedProcess]]:
+    """One 2-rank launch per launcher serves both tests below: every rank runs the `generate` command in-process,
+    then the API script (rank_scripts/external_api.py), with OMP_NUM_THREADS unset and the exit-threads probe."""
+    done: dict[str, tuple[Path, subprocess.CompletedProcess]] = {}
+
+    def run(launcher: str) -> tuple[Path, subprocess.CompletedProcess]:
+        if launcher not in done:
+            tmp = tmp_path_factory.mktemp(f"launch-{launcher}")
+            (tmp / "api").mkdir()
+            (tmp / "cli").mkdir()
+            argv = [str(REPO / "tests" / "rank_scripts" / "external_api.py"), str(tmp / "api"), str(tmp / "cli/v.mp4")]
+            with pytest.MonkeyPatch.context() as mp:
+                for name in ("OMP_NUM_THREADS", "DISTVIDEO_NUM_THREADS"):
+                    mp.delenv(name, raising=False)  # the user's shell must not decide the thread policy
+                env = exit_threads_probe(tmp / "probe")
+                done[launcher] = (tmp, run_launcher(launcher, argv, nproc=2, env=env, timeout=300))
+        return done[launcher]
+
+    return run
+
+
+@pytest.mark.parametrize("launcher", API_PARAMS)
+def test_generate_command_writes_one_video_equal_to_the_mp_executors(launcher, launch, mp_video):
     """Also: no gloo thread is alive when a rank's interpreter exits. A process group that outlived
     VideoGenerator.shutdown() has its worker threads running into interpreter finalization, where one still freeing
     its last collective's tensors (that takes the GIL) is ended by CPython and aborts the rank: "terminate called
@@ -110,34 +134,29 @@ def test_generate_command_writes_one_video_equal_to_the_mp_executors(launcher, t
         time.sleep(0.05)
     assert gloo_thread_names(), "a live gloo group shows no thread named *gloo*: update gloo_thread_names()"
     del group
-    out_dir = tmp_path / "out"
-    out_dir.mkdir()
-    argv = ["-m", "distvideo", "generate", "--prompt", "a red fox", "--output", str(out_dir / "v.mp4"), *SMALL]
-    proc = run_launcher(launcher, argv, nproc=2, env=exit_threads_probe(tmp_path / "probe"), timeout=300)
+    tmp, proc = launch(launcher)
     assert proc.returncode == 0, format_output(proc)
-    reports = [json.loads(p.read_text()) for p in sorted((tmp_path / "probe" / "reports").iterdir())]
+    assert [json.loads((tmp / "api" / f"rank{r}.json").read_text())["cli_exit"] for r in (0, 1)] == [0, 0]
+    reports = [json.loads(p.read_text()) for p in sorted((tmp / "probe" / "reports").iterdir())]
     assert len(reports) == 2, f"one exit report per rank, got {len(reports)}\n{format_output(proc)}"
     left = [sorted(n for n in names if "gloo" in n) for names in reports]
     assert left == [[], []], f"gloo threads alive at interpreter exit (a process group outlived shutdown): {left}"
-    assert sorted(p.name for p in out_dir.iterdir()) == ["v.mp4"], "exactly one video, written by rank 0"
-    assert proc.stdout.split().count(str(out_dir / "v.mp4")) == 1, "only rank 0 prints the path"
+    assert sorted(p.name for p in (tmp / "cli").iterdir()) == ["v.mp4"], "exactly one video, written by rank 0"
+    assert proc.stdout.split().count(str(tmp / "cli" / "v.mp4")) == 1, "only rank 0 prints the path"
     # the same layout (cfg=2) on another executor gives the same frames bit for bit, and the encoder is
     # deterministic: the very same file. (One rank is another layout: its frames are within 2, test_api_under_launcher.)
-    assert (out_dir / "v.mp4").read_bytes() == mp_video
+    assert (tmp / "cli" / "v.mp4").read_bytes() == mp_video
 
 
 @pytest.mark.parametrize("launcher", API_PARAMS)
-def test_api_under_launcher(launcher, tmp_path, single_process_frames):
+def test_api_under_launcher(launcher, launch, single_process_frames):
     """Also the thread policy with 2 ranks on a node and OMP_NUM_THREADS unset: cores / 2 threads per rank.
     torchrun hands the ranks OMP_NUM_THREADS=1 of its own, which does not count as the user's (on a 2-core machine
     both give 1, so torchrun's case tells them apart only on bigger machines; mpirun's does here: under Open MPI
     torch alone runs 1 thread)."""
-    script = REPO / "tests" / "rank_scripts" / "external_api.py"
-    with pytest.MonkeyPatch.context() as mp:
-        for name in ("OMP_NUM_THREADS", "DISTVIDEO_NUM_THREADS"):
-            mp.delenv(name, raising=False)  # the user's shell must not decide the thread policy
-        proc = run_launcher(launcher, [str(script), str(tmp_path)], nproc=2, timeout=300)
+    tmp, proc = launch(launcher)
     assert proc.returncode == 0, format_output(proc)
+    tmp_path = tmp / "api"
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     expected_launcher = {"torchrun": "torchrun", "srun": "slurm", "mpirun": "mpi", "mpich": "mpi"}[launcher]
     for rank, rep in enumerate((r0, r1)):

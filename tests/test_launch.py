@@ -602,3 +602,31 @@ def test_resolve_never_returns_nonsense(base: dict[str, str], overrides: dict[st
     rank_name = next(n for n in launch.RANK_VARIABLES if environ.get(n, "").strip())
     assert result.launcher == {"RANK": "torchrun", "SLURM_PROCID": "slurm"}.get(rank_name, "mpi")
     assert torch_env_for(result)["RANK"] == str(result.rank)
+
+
+@pytest.mark.usefixtures("declared_launch_variables")
+@pytest.mark.parametrize(
+    ("launcher_vars", "expected"),
+    [
+        ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1"}, "mpi"),
+        ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}, "torchrun"),
+    ],
+    ids=["mpirun", "torchrun"],
+)
+def test_a_second_generator_sees_the_launchers_variables_not_ours(monkeypatch, launcher_vars, expected) -> None:
+    """The external executor writes torchrun's names for env:// (``envs.set_external``); a second generator in the
+    same process (found by the launched CLI-then-API test) must still resolve the launcher that started it, not
+    "torchrun" from the names distvideo wrote. Variables the launcher itself set stay the launcher's."""
+    monkeypatch.setattr(envs, "_WRITTEN", {})
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(name, "")  # restored (unset) after the test, whatever set_external writes
+        monkeypatch.delenv(name)
+    for name, value in {**launcher_vars, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555"}.items():
+        monkeypatch.setenv(name, value)
+    first = resolve_launch_env(read_launch_environ())
+    assert first.launcher == expected
+    envs.set_external(torch_env_for(first))
+    assert envs.get_raw("RANK") == "1"  # written: env:// reads it
+    second = resolve_launch_env(read_launch_environ())
+    assert second == first
+    assert envs.written_here() == ({"RANK", "WORLD_SIZE", "LOCAL_RANK"} if expected == "mpi" else set())

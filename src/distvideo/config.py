@@ -359,7 +359,10 @@ def _parse_lora_list(path: str | Path, dotted: str, value: Any) -> list[LoraSpec
     specs = []
     for i, item in enumerate(items):
         if isinstance(item, str):
-            specs.append(LoraSpec.parse(item))
+            try:
+                specs.append(LoraSpec.parse(item))
+            except ConfigError as exc:  # its message names the flag; here the value came from the file
+                raise ConfigError(f"--config {path}: '{dotted}[{i}]': {str(exc).removeprefix('--lora: ')}") from None
         elif (
             isinstance(item, dict) and set(item) <= {"path", "strength", "target"} and isinstance(item.get("path"), str)
         ):

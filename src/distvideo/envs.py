@@ -236,6 +236,10 @@ def snapshot(names: Iterable[str] | None = None) -> dict[str, str]:
     return out
 
 
+#: variables set_external wrote where the process had none: name -> the value written
+_WRITTEN: dict[str, str] = {}
+
+
 def set_external(values: Mapping[str, str | int]) -> None:
     """Write normalised values (e.g. RANK, WORLD_SIZE from an MPI launch) into this process's environment.
 
@@ -244,7 +248,18 @@ def set_external(values: Mapping[str, str | int]) -> None:
     """
     for name, value in values.items():
         _lookup(name)
+        ours = name not in os.environ or _WRITTEN.get(name) == os.environ[name]  # unset, or still what we wrote
+        if ours:
+            _WRITTEN[name] = str(value)
+        else:
+            _WRITTEN.pop(name, None)
         os.environ[name] = str(value)
+
+
+def written_here() -> set[str]:
+    """The variables set_external wrote into this process where it had none, still holding what was written: not the
+    launcher's (a second generator under mpirun must still see Open MPI's variables as its launcher's, not RANK)."""
+    return {name for name, value in _WRITTEN.items() if os.environ.get(name) == value}
 
 
 def unset(names: Iterable[str]) -> None:

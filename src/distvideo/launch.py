@@ -292,8 +292,11 @@ def launcher_rank_present(environ: Mapping[str, str]) -> bool:
 
 
 def read_launch_environ() -> dict[str, str]:
-    """The set launcher variables of this process (exactly LAUNCH_VARIABLES), read through distvideo.envs."""
-    return envs.snapshot(LAUNCH_VARIABLES)
+    """The set launcher variables of this process (exactly LAUNCH_VARIABLES), read through distvideo.envs, less the
+    torchrun names distvideo itself wrote for an earlier generator's rendezvous (``envs.set_external``): they are not
+    the launcher's, and would make an srun or mpirun launch read as torchrun's."""
+    ours = envs.written_here()
+    return {name: value for name, value in envs.snapshot(LAUNCH_VARIABLES).items() if name not in ours}
 
 
 def torch_env_for(env: LaunchEnv) -> dict[str, str]:

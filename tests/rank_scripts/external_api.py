@@ -1,6 +1,10 @@
 """Run by every rank under a real launcher: the external executor's API behaviour in one launch.
 
-Writes one JSON file per rank into OUT_DIR (argv[1]); rank 0 also saves its frames as frames.npy. Also reports the
+usage: external_api.py OUT_DIR [CLI_VIDEO]
+
+With CLI_VIDEO, every rank first runs the `distvideo generate` command in-process (as `python -m distvideo generate`
+runs it: its own generator, started and shut down) writing CLI_VIDEO, so one launch serves the command's test and
+the API's. Writes one JSON file per rank into OUT_DIR (argv[1]); rank 0 also saves its frames as frames.npy. Also reports the
 launcher's OMP_NUM_THREADS (read before anything is imported), torch's intra-op threads once the generator exists,
 and the cores this process may use: the thread policy per rank is read from this launch.
 """
@@ -21,6 +25,7 @@ from distvideo import VideoGenerator  # noqa: E402
 from distvideo.executors.external import DivergentCallError  # noqa: E402
 
 REQUEST = dict(num_frames=5, height=32, width=48, num_inference_steps=2, seed=5)
+SMALL = ["--num-frames", "5", "--height", "32", "--width", "48", "--steps", "2", "--seed", "5"]  # the same request
 
 
 def fail_on_rank_1(worker):
@@ -32,6 +37,11 @@ def fail_on_rank_1(worker):
 def main() -> None:
     out = Path(sys.argv[1])
     report: dict = {}
+    if len(sys.argv) > 2:
+        from distvideo.cli.main import main as cli
+
+        argv = ["generate", "--prompt", "a red fox", "--output", sys.argv[2], *SMALL]
+        report["cli_exit"] = cli(argv)
     with VideoGenerator.from_pretrained(executor="auto") as gen:
         rank = gen.executor.rank
         report["executor"] = type(gen.executor).__name__
