@@ -206,9 +206,7 @@ class _Channel:
     """Under a launcher, the other replicas' output ranks hand their manifest lines to world rank 0 through the
     rendezvous store (JSON under a key per item); a thread on rank 0 writes them as they come."""
 
-    def __init__(
-        self, store: StoreChannel, expected: list[int], record: Callable[[dict[str, Any]], None] | None
-    ):
+    def __init__(self, store: StoreChannel, expected: list[int], record: Callable[[dict[str, Any]], None] | None):
         self.store, self.expected = store, expected
         self.record = record
         self._stop = threading.Event()
