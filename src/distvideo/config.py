@@ -50,9 +50,9 @@ class LoraSpec:
     target: str = "transformer"  # the transformer it changes; "transformer_2": Wan2.2 A14B's low-noise expert
 
     @classmethod
-    def parse(cls, text: str) -> LoraSpec:
+    def parse(cls, text: str, given: str = "--lora") -> LoraSpec:
         """`[TARGET=]PATH[:STRENGTH]`; a trailing `:number` is the strength (paths may contain ':'), a leading
-        `transformer_2=` (or `transformer=`) the transformer the adapter changes."""
+        `transformer_2=` (or `transformer=`) the transformer the adapter changes. `given` names where it came from."""
         target = "transformer"
         for name in LORA_TARGETS:
             if text.startswith(f"{name}="):
@@ -65,7 +65,7 @@ class LoraSpec:
                 pass
         if not text:
             raise ConfigError(
-                "--lora: empty value; expected [transformer_2=]PATH[:STRENGTH], e.g. style.safetensors:0.8"
+                f"{given}: empty value; expected [transformer_2=]PATH[:STRENGTH], e.g. style.safetensors:0.8"
             )
         return cls(path=text, strength=1.0, target=target)
 
@@ -359,10 +359,7 @@ def _parse_lora_list(path: str | Path, dotted: str, value: Any) -> list[LoraSpec
     specs = []
     for i, item in enumerate(items):
         if isinstance(item, str):
-            try:
-                specs.append(LoraSpec.parse(item))
-            except ConfigError as exc:  # its message names the flag; here the value came from the file
-                raise ConfigError(f"--config {path}: '{dotted}[{i}]': {str(exc).removeprefix('--lora: ')}") from None
+            specs.append(LoraSpec.parse(item, given=f"--config {path}: '{dotted}[{i}]'"))
         elif (
             isinstance(item, dict) and set(item) <= {"path", "strength", "target"} and isinstance(item.get("path"), str)
         ):
