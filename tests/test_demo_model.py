@@ -47,8 +47,9 @@ FIXED = [
 ]
 RANDOM = random.Random(20261202).sample([c for c in all_captions() if c not in FIXED], 12)
 CAPTIONS = FIXED + RANDOM
-#: the captions the parallel launch runs (a generation per caption; 10, so that 90% allows one miss)
-PARALLEL = FIXED[:5] + RANDOM[:5]
+#: the captions the parallel launch runs (a generation per caption at 4 ranks on 2 cores: 6, each of which must pass;
+#: the pass rate is the inline run's to show, the launch's to keep, with frames within 2 of inline's)
+PARALLEL = FIXED[:3] + RANDOM[:3]
 
 
 def _pass_rate(frames_by_caption: dict[str, np.ndarray]) -> tuple[float, list[str]]:

@@ -51,24 +51,34 @@ def _replicas(folder: Path) -> set[int]:
     return {json.loads(line)["replica"] for line in (folder / "manifest.jsonl").read_text().splitlines()}
 
 
+#: the API's name of each request flag in FAMILIES
+API_NAMES = {"num_frames": "num-frames", "height": "height", "width": "width", "num_inference_steps": "steps"}
+
+
 @pytest.fixture(scope="module")
-def single_runs(tmp_path_factory) -> dict[str, tuple[Path, Path, list[str], dict[str, str]]]:
-    """Per family: the batch, and each item's video from one inline rank (every item run alone, in order)."""
+def single_runs(tmp_path_factory) -> dict[str, tuple[Path, Path, list[str], dict[str, str], list]]:
+    """Per family: the batch, each item's video from one inline rank (every item run alone, in order), and its
+    frames (the batch API on the inline executor, which writes the files the CLI writes)."""
+    from distvideo import VideoGenerator
+
     out = {}
     for family in FAMILIES:
         model, prompts, flags = _batch(tmp_path_factory, family)
         folder = prompts.parent / "inline"
-        argv = ["generate", "--model", str(model), "--prompts", str(prompts), "--output", str(folder), *flags]
-        assert main([*argv, "--executor", "inline"]) == 0
+        items = [json.loads(line) for line in prompts.read_text().splitlines()]
+        flag = dict(zip(flags[:-1:2], flags[1:-1:2], strict=True))
+        request = {name: int(flag[f"--{key}"]) for name, key in API_NAMES.items()}
+        with VideoGenerator.from_pretrained(model, executor="inline") as gen:
+            results = gen.generate_batch(items, output_dir=folder, return_frames=True, progress=False, **request)
         videos = _videos(folder)
         assert len(videos) == 2 and len(set(videos.values())) == 2, "two images must give two different videos"
-        out[family] = (model, prompts, flags, videos)
+        out[family] = (model, prompts, flags, videos, [r.frames for r in results])
     return out
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_mp_replicas_condition_each_item_on_its_own_image(family, single_runs, tmp_path):
-    model, prompts, flags, expected = single_runs[family]
+    model, prompts, flags, expected, _ = single_runs[family]
     argv = ["generate", "--model", str(model), "--prompts", str(prompts), "--output", str(tmp_path), *flags]
     assert main([*argv, "--executor", "mp", "--num-gpus", "2", "--replicas", "2"]) == 0
     assert _replicas(tmp_path) == {0, 1}, "each replica ran one item"
@@ -79,7 +89,7 @@ def test_mp_replicas_condition_each_item_on_its_own_image(family, single_runs, t
 def test_launched_replicas_condition_each_item_on_its_own_image(single_runs, tmp_path):
     """Under torchrun (the issue's reproduction), on the family with two conditioning broadcasts (CLIP tokens and the
     first-frame latents); the other families take the same code path, shown on mp above."""
-    model, prompts, flags, expected = single_runs["wan21_i2v"]
+    model, prompts, flags, expected, _ = single_runs["wan21_i2v"]
     argv = ["-m", "distvideo", "generate", "--model", str(model), "--prompts", str(prompts), "--output", str(tmp_path)]
     proc = run_launcher("torchrun", [*argv, *flags, "--replicas", "2"], nproc=2, timeout=300)
     assert proc.returncode == 0, format_output(proc)
@@ -95,11 +105,10 @@ def test_replicas_of_two_ranks_broadcast_inside_their_replica(single_runs, tmp_p
 
     from distvideo import VideoGenerator
 
-    model, prompts, _, _ = single_runs["wan21_i2v"]
+    model, prompts, flags, _, single = single_runs["wan21_i2v"]
     items = [json.loads(line) for line in prompts.read_text().splitlines()]
-    request = dict(num_frames=5, height=48, width=80, num_inference_steps=2)
-    with VideoGenerator.from_pretrained(model, executor="inline") as gen:
-        single = [gen.generate(save_video=False, **item, **request).frames for item in items]
+    flag = dict(zip(flags[:-1:2], flags[1:-1:2], strict=True))
+    request = {name: int(flag[f"--{key}"]) for name, key in API_NAMES.items()}
     assert int(np.abs(single[0].astype(int) - single[1].astype(int)).max()) > 10, "the two images must matter"
     with VideoGenerator.from_pretrained(model, executor="mp", num_gpus=4, replicas=2, sp_size=2) as gen:
         results = gen.generate_batch(items, output_dir=tmp_path, return_frames=True, progress=False, **request)
