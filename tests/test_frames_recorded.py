@@ -133,3 +133,32 @@ def test_sequence_parallel_frames_are_the_recorded_ones(test_checkpoint, recorde
     ) as gen:
         frames = gen.generate(PROMPT, **REQUEST).frames
     assert_recorded(frames, recorded, "mp_sp2")
+
+
+RESHAPING = Path(__file__).parent / "data" / "frames_before_reshaping.npz"
+
+
+@pytest.mark.launcher
+@pytest.mark.slow
+def test_launched_layouts_give_the_recorded_frames_and_videos(test_checkpoint, tmp_path):
+    """Issue 27's reshaping (one primitive per executor, groups from a device mesh, named plans) keeps every frame
+    and every video byte of the external executor's 2-rank layouts: sp=2, cfg=2, and two items over 2 replicas, each
+    as commit 0de9300's code gave them (scripts/record_frames.py --set reshaping). Video bytes are compared on a
+    machine of a recorded kind only: elsewhere the frames differ within the tolerance, and so do the files."""
+    from rank_scripts.recorded_layouts import read_outputs
+
+    from launchers import format_output, run_launcher
+
+    script = Path(__file__).parent / "rank_scripts" / "recorded_layouts.py"
+    proc = run_launcher("torchrun", [str(script), str(test_checkpoint), str(tmp_path)], nproc=2, timeout=300)
+    assert proc.returncode == 0, format_output(proc)
+    launched = read_outputs(tmp_path)
+    with np.load(RESHAPING) as data:
+        recorded = {name: data[name] for name in data.files}
+    names = sorted({key.split("_", 1)[1] for key in recorded if not key.endswith("_video")})
+    assert sorted(name for name in launched if not name.endswith("_video")) == names
+    kind = numerics_fingerprint()
+    for name in names:
+        assert_recorded(launched[name], recorded, name)
+        if f"{kind}_{name}_video" in recorded:
+            assert str(launched[f"{name}_video"]) == str(recorded[f"{kind}_{name}_video"]), f"{name}: video bytes"
