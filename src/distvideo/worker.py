@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from distvideo.config import GenerationRequest
 from distvideo.devices import (
     available_memory_bytes,
     component_dtypes,
@@ -35,6 +34,7 @@ from distvideo.outputs import ItemOutcome, WorkerOutput
 from distvideo.parallel.collectives import collective
 from distvideo.parallel.vae import decode_band_count
 from distvideo.pipelines.control import StepControl
+from distvideo.request import GenerationRequest
 
 if TYPE_CHECKING:
     from distvideo.lora.layers import LoraState

@@ -21,9 +21,10 @@ import numpy as np
 from distvideo.batch.assign import assign
 from distvideo.batch.items import BatchItem, build_items
 from distvideo.batch.manifest import Manifest, file_sha256
-from distvideo.config import GenerationRequest
-from distvideo.media import check_output_target, sanitize_prompt, write_video
+from distvideo.media import write_video
 from distvideo.models.registry import ModelInfo
+from distvideo.paths import check_output_target, sanitize_prompt
+from distvideo.request import GenerationRequest
 
 if TYPE_CHECKING:
     from distvideo.engine import ResolvedEngine

@@ -21,11 +21,11 @@ import torch
 from diffusers.utils.torch_utils import randn_tensor
 from tqdm.auto import tqdm
 
-from distvideo.config import GenerationRequest
 from distvideo.models.compat import prompt_clean
 from distvideo.models.registry import ModelInfo
 from distvideo.pipelines.control import StepControl
 from distvideo.pipelines.offload import ComponentOffload
+from distvideo.request import GenerationRequest
 
 if TYPE_CHECKING:
     from distvideo.parallel.context import ParallelContext

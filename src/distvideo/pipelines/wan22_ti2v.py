@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from distvideo.config import GenerationRequest
 from distvideo.pipelines.conditioning import condition_latents, pil_image, vae_image
 from distvideo.pipelines.stages import StagedWanPipeline, StepControl
 from distvideo.pipelines.wan import WanBatch
+from distvideo.request import GenerationRequest
 
 
 @dataclass
