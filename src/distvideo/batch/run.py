@@ -198,9 +198,14 @@ def _record(
 def _result_from(entry: dict[str, Any], folder: Path, *, resumed: bool) -> BatchResult:
     video = str(folder / entry["video"]) if entry.get("video") else None
     return BatchResult(
-        entry["index"], entry["status"], video, entry.get("seed"), entry.get("error"), entry.get("timings", {}),
+        entry["index"],
+        entry["status"],
+        video,
+        entry.get("seed"),
+        entry.get("error"),
+        entry.get("timings", {}),
         resumed=resumed,
-    )  # fmt: skip
+    )
 
 
 class _Channel:
