@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from distvideo.pipelines.conditioning import condition_latents, pil_image, vae_image
-from distvideo.pipelines.stages import StagedWanPipeline, StepControl
+from distvideo.pipelines.control import StepControl
+from distvideo.pipelines.stages import StagedWanPipeline
 from distvideo.pipelines.wan import WanBatch
 from distvideo.request import GenerationRequest
 

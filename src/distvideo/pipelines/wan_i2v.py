@@ -25,7 +25,8 @@ from distvideo.pipelines.conditioning import (
     pil_image,
     vae_image,
 )
-from distvideo.pipelines.stages import StagedWanPipeline, StepControl
+from distvideo.pipelines.control import StepControl
+from distvideo.pipelines.stages import StagedWanPipeline
 from distvideo.pipelines.wan import WanBatch
 from distvideo.request import GenerationRequest
 
