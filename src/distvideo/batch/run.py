@@ -138,7 +138,7 @@ def run_batch(
         gen.executor.execute_batch(shares, on_item)
     finally:
         if channel is not None:
-            channel.close(results)
+            channel.close()
         bar.close()
     for index, entry in plan.finished.items():
         results[index] = _result_from(entry, plan.folder, resumed=True)
@@ -258,7 +258,7 @@ class _Channel:
                 logger.debug("collecting batch results failed", exc_info=True)
                 return
 
-    def close(self, results: dict[int, BatchResult]) -> None:
+    def close(self) -> None:
         """After every replica finished (the executor's final exchange): collect what is left, stop the thread."""
         self._stop.set()
         if self._thread is not None:
