@@ -34,9 +34,9 @@ def measure(worker: Any, image: str, request: dict[str, Any], repeats: int) -> d
     import torch
     import torch.distributed as dist
 
-    from distvideo.config import GenerationRequest
     from distvideo.parallel.collectives import broadcast_tensors
     from distvideo.pipelines.conditioning import pil_image, tensor_digest
+    from distvideo.request import GenerationRequest
 
     pipeline = worker.pipeline
     resolved = worker.model_info.resolve_request(GenerationRequest(prompt="x", image=image, **request))

@@ -20,10 +20,11 @@ from distvideo.batch.assign import assign
 from distvideo.batch.items import BatchItem, build_items, fingerprint
 from distvideo.batch.manifest import Manifest
 from distvideo.cli.main import main
-from distvideo.config import EngineConfig, GenerationRequest
+from distvideo.config import EngineConfig
 from distvideo.errors import ConfigError
 from distvideo.executors import mp, resolve_engine
 from distvideo.parallel.layout import resolve_layout
+from distvideo.request import GenerationRequest
 
 from launchers import format_output, local_slurm, run_launcher  # noqa: F401
 

@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 
 from distvideo.cli.main import build_parser, configs_from_args
-from distvideo.config import ConfigError, GenerationRequest, LoraSpec, load_config_file
+from distvideo.config import LoraSpec
+from distvideo.config_files import load_config_file
+from distvideo.errors import ConfigError
+from distvideo.request import GenerationRequest
 
 
 def write(tmp_path, text, name="cfg.yaml"):

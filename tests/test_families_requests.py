@@ -12,8 +12,8 @@ import pytest
 
 from distvideo import ConfigError
 from distvideo.cli.main import main
-from distvideo.config import GenerationRequest
 from distvideo.models.registry import probe_model
+from distvideo.request import GenerationRequest
 from family_checkpoints import family_checkpoint, test_image
 
 FAMILY_NAMES = {
@@ -166,7 +166,7 @@ def test_cli_refuses_missing_image_file(tmp_path_factory, tmp_path, capsys, no_w
 
 
 def test_config_file_image_must_be_a_path(tmp_path):
-    from distvideo.config import load_config_file
+    from distvideo.config_files import load_config_file
 
     (tmp_path / "c.yaml").write_text("request:\n  image: [1, 2]\n")
     with pytest.raises(ConfigError, match=r"'request\.image' must be a file path"):

@@ -144,7 +144,7 @@ def test_damaged_model_folder_exits_2_naming_the_file(
 @pytest.mark.usefixtures("no_weights_loaded")
 def test_damaged_model_folder_is_refused_by_the_api_too(model_copy):
     from distvideo import VideoGenerator
-    from distvideo.config import ConfigError
+    from distvideo.errors import ConfigError
 
     truncate(model_copy / "vae" / "diffusion_pytorch_model.safetensors")
     with pytest.raises(ConfigError, match=r"vae/diffusion_pytorch_model\.safetensors is corrupt or truncated"):

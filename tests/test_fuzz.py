@@ -15,8 +15,11 @@ import yaml
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from distvideo.config import ConfigError, EngineConfig, GenerationRequest, LoraSpec, load_config_file
+from distvideo.config import EngineConfig, LoraSpec
+from distvideo.config_files import load_config_file
+from distvideo.errors import ConfigError
 from distvideo.models.registry import probe_model
+from distvideo.request import GenerationRequest
 
 FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

@@ -23,11 +23,12 @@ import distvideo.worker
 from distvideo import ConfigError, LoraError, VideoGenerator, VideoWriteError
 from distvideo.bench import write_json
 from distvideo.cli.main import main
-from distvideo.config import GenerationRequest
 from distvideo.executors import resolve_engine
-from distvideo.media import resolve_output_path, sanitize_prompt, write_video
+from distvideo.media import write_video
 from distvideo.models.embedded import tiny_model_path
 from distvideo.models.memory import estimate_request
+from distvideo.paths import resolve_output_path, sanitize_prompt
+from distvideo.request import GenerationRequest
 from distvideo.testing.checkpoints import build_benchmark_checkpoint, build_test_checkpoint
 from distvideo.testing.lora_files import build_random_lora, random_lora_layers, save_lora_file
 
@@ -51,7 +52,7 @@ BOUNDS = [
     ({"max_sequence_length": 1025}, "max_sequence_length"),
     ({"fps": 241}, "fps"),
     ({"height": 8193}, "height"),
-    ({"num_frames": 4098}, "num_frames"),  # config.MAX_FRAMES + 1
+    ({"num_frames": 4098}, "num_frames"),  # request.MAX_FRAMES + 1
     ({"output_path": "out/a\x00b.mp4"}, "NUL"),
     ({"output_path": "out/" + "x" * 300 + ".mp4"}, "names are limited to 255"),
 ]
@@ -90,7 +91,7 @@ def test_a_request_that_cannot_fit_is_refused_before_any_step(executor):
 MEASURE = r"""
 import json, sys
 from distvideo import VideoGenerator
-from distvideo.config import GenerationRequest
+from distvideo.request import GenerationRequest
 from distvideo.models.memory import estimate_request
 
 def rss_mb():

@@ -9,7 +9,8 @@ import sys
 import numpy as np
 import pytest
 
-from distvideo.media import resolve_output_path, rgb_to_yuv420p, sanitize_prompt, write_video
+from distvideo.media import rgb_to_yuv420p, write_video
+from distvideo.paths import resolve_output_path, sanitize_prompt
 
 from conftest import read_video
 

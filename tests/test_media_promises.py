@@ -1,7 +1,7 @@
 """Promises of the CLI, media.py and envs.py with no other test: `generate` refuses an output folder it cannot write
 and encoder settings the encoder rejects with exit 2 before loading the model (docs/reliability.md, "a bad output
 path"); a user's MKL_CBWR is kept and the reproducible default applies when it is unset (docs/env_vars.md,
-docs/determinism.md); grey and RGBA conditioning images are converted as media.load_image says (grey expanded to
+docs/determinism.md); grey and RGBA conditioning images are converted as images.load_image says (grey expanded to
 RGB, alpha dropped; docs/families.md).
 
 The image-at-its-own-path-on-each-rank promise is checked in the torchrun launch of tests/test_families_parallel.py.

@@ -24,9 +24,9 @@ import psutil
 import pytest
 
 from distvideo import VideoGenerator
-from distvideo.config import GenerationRequest
 from distvideo.executors.base import RankFailure
 from distvideo.models.embedded import tiny_model_path
+from distvideo.request import GenerationRequest
 from distvideo.testing.checkpoints import build_embedded_model
 
 from processes import Running, wait_gone

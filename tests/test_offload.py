@@ -14,10 +14,12 @@ from torch import nn
 
 from distvideo import VideoGenerator, envs
 from distvideo.cli.main import main
-from distvideo.config import OFFLOAD_MODES, ConfigError, EngineConfig, GenerationRequest
+from distvideo.config import OFFLOAD_MODES, EngineConfig
+from distvideo.errors import ConfigError
 from distvideo.executors import resolve_engine
 from distvideo.models.memory import estimate_request
 from distvideo.pipelines.offload import HOST, OFFLOADED, ComponentOffload
+from distvideo.request import GenerationRequest
 from family_checkpoints import family_checkpoint, test_image
 
 REQUEST = {"num_frames": 5, "height": 32, "width": 32, "num_inference_steps": 2, "seed": 3, "save_video": False}

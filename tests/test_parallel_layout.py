@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from distvideo.config import ConfigError
+from distvideo.errors import ConfigError
 from distvideo.parallel.cfg import texts_for_branch
 from distvideo.parallel.layout import ParallelLayout, resolve_layout, valid_layouts
 from distvideo.parallel.ulysses import SequenceShard, pad_dim, take_shard

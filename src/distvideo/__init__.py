@@ -5,7 +5,7 @@ from distvideo import envs
 
 envs.reproducible_cpu_math()  # before anything computes: MKL reads its mode once (envs.MKL_REPRODUCIBLE)
 
-from distvideo.config import EngineConfig, GenerationRequest  # noqa: E402 (after the MKL mode)
+from distvideo.config import EngineConfig  # noqa: E402 (after the MKL mode)
 from distvideo.errors import (  # noqa: E402
     ConfigError,
     DivergentCallError,
@@ -20,6 +20,7 @@ from distvideo.errors import (  # noqa: E402
     WorkerDiedError,
 )
 from distvideo.generator import GenerationResult, VideoGenerator  # noqa: E402
+from distvideo.request import GenerationRequest  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = [

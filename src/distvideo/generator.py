@@ -15,13 +15,15 @@ from typing import Any
 import numpy as np
 
 from distvideo.batch.run import BatchResult
-from distvideo.config import ConfigError, EngineConfig, GenerationRequest, LoraSpec
+from distvideo.config import EngineConfig, LoraSpec
 from distvideo.engine import ResolvedEngine
-from distvideo.errors import RankFailure, VideoWriteError
+from distvideo.errors import ConfigError, RankFailure, VideoWriteError
 from distvideo.executors import Executor, create_executor, resolve_engine
 from distvideo.logging_utils import configure_logging
-from distvideo.media import check_video_output, resolve_output_path, write_array, write_video
+from distvideo.media import check_video_output, write_array, write_video
 from distvideo.models.registry import ModelInfo
+from distvideo.paths import resolve_output_path
+from distvideo.request import GenerationRequest
 
 logger = logging.getLogger(__name__)
 

@@ -1,20 +1,18 @@
-"""Video files: choosing the output path and writing MP4 (H.264, yuv420p, BT.709) atomically and reproducibly; and
-the conditioning image of image-to-video requests (read, checked and fingerprinted).
+"""Video files: MP4 (H.264, yuv420p, BT.709) written atomically and reproducibly, and what can be checked about a
+request's video before generating it.
 
 A video is encoded into a file that has no name yet (Linux O_TMPFILE; elsewhere a hidden temporary
 file) in the target folder and linked into place only when complete, so a crash, even SIGKILL, never
-leaves a partial file at the output path; an existing file is never overwritten.
+leaves a partial file at the output path; an existing file is never overwritten. Output names and folders follow
+distvideo.paths.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import io
 import os
-import re
-import unicodedata
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -23,64 +21,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from distvideo.errors import ConfigError
-
-_MAX_STEM = 60
-
-
-def sanitize_prompt(prompt: str) -> str:
-    """A file-name-safe stem from a prompt: its words transliterated to ASCII (anyascii: 'Кошка' -> 'koshka',
-    '日本' -> 'riben') and joined by '_', at most 60 characters. A prompt that is not plain ASCII also gets 8 hex
-    digits of its hash, so two prompts that read alike in ASCII keep apart names."""
-    from anyascii import anyascii
-
-    normalized = unicodedata.normalize("NFC", prompt)
-    words = re.findall(r"[A-Za-z0-9]+", anyascii(normalized).lower())
-    stem = "_".join(words)[:_MAX_STEM].strip("_") or "video"
-    if not normalized.isascii():
-        stem = f"{stem[: _MAX_STEM - 9]}_{hashlib.sha256(normalized.encode()).hexdigest()[:8]}"
-    return stem
-
-
-def resolve_output_path(output: str | None, prompt: str, seed: int, default_dir: str = "outputs") -> Path:
-    """`output` ending in .mp4 is a file; otherwise (or None) a folder where the name comes from the
-    prompt and seed. Never an existing entry (a dangling symlink counts): `_1`, `_2`, ... are appended until the
-    name is free."""
-    if output is not None and output.lower().endswith(".mp4"):
-        target = Path(output)
-    else:
-        folder = Path(output) if output else Path(default_dir)
-        target = folder / f"{sanitize_prompt(prompt)}_seed{seed}.mp4"
-    return _first_free(target)
-
-
-def _first_free(target: Path) -> Path:
-    if not os.path.lexists(target):
-        return target
-    n = 1
-    while True:
-        candidate = target.with_name(f"{target.stem}_{n}{target.suffix}")
-        if not os.path.lexists(candidate):
-            return candidate
-        n += 1
-
-
-def check_output_target(target: Path) -> None:
-    """Refuse (ConfigError) an output the writer could not create, before any work: a folder that is a file, a
-    folder or the nearest existing ancestor not writable, a name too long for the file system."""
-    from distvideo.config import path_problem
-
-    problem = path_problem(str(target))
-    if problem:
-        raise ConfigError(f"output_path {str(target)!r}: {problem}")
-    folder = target.parent
-    existing = folder
-    while not os.path.lexists(existing) and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise ConfigError(f"output_path {str(target)!r}: {existing} is not a folder")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        what = "the folder" if existing == folder else f"{existing}, where its folder would be created,"
-        raise ConfigError(f"output_path {str(target)!r}: {what} is not writable by this user")
+from distvideo.paths import check_output_target, first_free, resolve_output_path
 
 
 def check_encoder(width: int, height: int, fps: int) -> None:
@@ -219,7 +160,7 @@ class _PendingFile:
                 self._link(target)
                 return target
             except FileExistsError:
-                target = _first_free(target)
+                target = first_free(target)
 
     def discard(self) -> None:
         self.file.close()
@@ -281,87 +222,3 @@ def check_video_output(output_path: str | None, prompt: str, seed: int, width: i
     check_output_target(target)
     check_encoder(width, height, fps)
     return target
-
-
-# --- conditioning images --------------------------------------------------------------------------------------------
-IMAGE_FORMS = "a file path, a PIL image or a uint8 array (H, W, 3)"
-
-
-def check_image_type(image: Any) -> None:
-    """ConfigError unless `image` is a path, a PIL image or a uint8 (H, W), (H, W, 3) or (H, W, 4) array (no file
-    is read)."""
-    if isinstance(image, (str, os.PathLike)):
-        if not os.fspath(image):
-            raise ConfigError(f"image: empty path; pass {IMAGE_FORMS}")
-        return
-    if isinstance(image, np.ndarray):
-        if image.dtype != np.uint8 or image.ndim not in (2, 3) or (image.ndim == 3 and image.shape[2] not in (3, 4)):
-            raise ConfigError(
-                f"image: an array must be uint8 of shape (H, W, 3) (RGB), (H, W, 4) or (H, W); got {image.dtype} "
-                f"{image.shape}"
-            )
-        if min(image.shape[:2]) < 1:
-            raise ConfigError(f"image: the array has no pixels (shape {image.shape})")
-        return
-    if not _is_pil_image(image):
-        raise ConfigError(f"image: expected {IMAGE_FORMS}, got {type(image).__name__}")
-
-
-def _is_pil_image(image: Any) -> bool:
-    try:
-        from PIL import Image
-    except ImportError:  # pragma: no cover - PIL comes with diffusers
-        return False
-    return isinstance(image, Image.Image)
-
-
-def load_image(image: Any) -> np.ndarray:
-    """The RGB pixels (H, W, 3) uint8 of a path, PIL image or array (alpha dropped, grey expanded); ConfigError
-    naming the file when it is missing or not an image."""
-    from PIL import Image, UnidentifiedImageError
-
-    check_image_type(image)
-    if isinstance(image, np.ndarray):
-        pil = Image.fromarray(image)
-    elif isinstance(image, (str, os.PathLike)):
-        path = Path(image).expanduser()
-        if not path.is_file():
-            raise ConfigError(f"image: {str(path)!r} does not exist on host {_hostname()} (or is not a file)")
-        try:
-            with Image.open(path) as opened:
-                pil = opened.convert("RGB")
-        except (UnidentifiedImageError, OSError, ValueError) as exc:
-            raise ConfigError(f"image: {str(path)!r} is not an image PIL can read ({exc})") from None
-    else:
-        pil = image
-    return np.ascontiguousarray(np.asarray(pil.convert("RGB"), dtype=np.uint8))
-
-
-def image_fingerprint(image: Any) -> str | None:
-    """What ranks compare to agree on an image: the sha256 of its pixels (paths: of the file's bytes, so the same
-    file at different paths agrees), "missing" for a file that cannot be read here, None for no image."""
-    import hashlib
-
-    if image is None:
-        return None
-    digest = hashlib.sha256()
-    if isinstance(image, (str, os.PathLike)):
-        try:
-            digest.update(Path(image).expanduser().read_bytes())
-        except OSError as exc:
-            return f"not readable on {_hostname()} ({type(exc).__name__})"
-        return "file sha256 " + digest.hexdigest()[:16]
-    if _is_pil_image(image):
-        digest.update(f"{image.mode} {image.size}".encode())
-        digest.update(image.tobytes())
-    else:
-        array = np.ascontiguousarray(image)
-        digest.update(f"{array.dtype} {array.shape}".encode())
-        digest.update(array.tobytes())
-    return "pixels sha256 " + digest.hexdigest()[:16]
-
-
-def _hostname() -> str:
-    import socket
-
-    return socket.gethostname()

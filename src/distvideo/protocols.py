@@ -9,10 +9,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:  # types only: nothing here runs an import of the generator or the executors
-    from distvideo.config import EngineConfig, GenerationRequest
+    from distvideo.config import EngineConfig
     from distvideo.engine import ResolvedEngine
     from distvideo.executors import Executor
     from distvideo.generator import GenerationResult
+    from distvideo.request import GenerationRequest
 
 
 class EngineHandle(Protocol):

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from distvideo.config import GenerationRequest
 from distvideo.devices import (
     available_memory_bytes,
     component_dtypes,
@@ -35,6 +34,8 @@ from distvideo.outputs import ItemOutcome, WorkerOutput
 from distvideo.parallel.collectives import collective
 from distvideo.parallel.vae import decode_band_count
 from distvideo.pipelines.control import StepControl
+from distvideo.pipelines.wan import record_per_step_denoising
+from distvideo.request import GenerationRequest
 
 if TYPE_CHECKING:
     from distvideo.lora.layers import LoraState
@@ -359,4 +360,4 @@ def separate_compile_time(timings: dict[str, float], compile_s: float, steps: in
     compile_s = max(0.0, compile_s)  # a torch._dynamo.reset() meanwhile sets dynamo's counter back
     timings["compile"] = compile_s
     if "denoising" in timings:
-        timings["per_step_denoising"] = max(0.0, timings["denoising"] - compile_s) / max(1, steps)
+        record_per_step_denoising(timings, steps, excluded_s=compile_s)

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from distvideo.config import GenerationRequest
 from distvideo.errors import ConfigError
-from distvideo.media import image_fingerprint
+from distvideo.images import image_fingerprint
 from distvideo.models.registry import ModelInfo
+from distvideo.request import GenerationRequest
 
 #: the fields an item may set (JSONL keys, generate_batch mappings); `output` names its video file in the folder
 ITEM_FIELDS = (

@@ -21,9 +21,10 @@ import numpy as np
 from distvideo.batch.assign import assign
 from distvideo.batch.items import BatchItem, build_items
 from distvideo.batch.manifest import Manifest, file_sha256
-from distvideo.config import GenerationRequest
-from distvideo.media import check_output_target, sanitize_prompt, write_video
+from distvideo.media import write_video
 from distvideo.models.registry import ModelInfo
+from distvideo.paths import check_output_target, sanitize_prompt
+from distvideo.request import GenerationRequest
 
 if TYPE_CHECKING:
     from distvideo.engine import ResolvedEngine
@@ -137,7 +138,7 @@ def run_batch(
         gen.executor.execute_batch(shares, on_item)
     finally:
         if channel is not None:
-            channel.close(results)
+            channel.close()
         bar.close()
     for index, entry in plan.finished.items():
         results[index] = _result_from(entry, plan.folder, resumed=True)
@@ -197,9 +198,14 @@ def _record(
 def _result_from(entry: dict[str, Any], folder: Path, *, resumed: bool) -> BatchResult:
     video = str(folder / entry["video"]) if entry.get("video") else None
     return BatchResult(
-        entry["index"], entry["status"], video, entry.get("seed"), entry.get("error"), entry.get("timings", {}),
+        entry["index"],
+        entry["status"],
+        video,
+        entry.get("seed"),
+        entry.get("error"),
+        entry.get("timings", {}),
         resumed=resumed,
-    )  # fmt: skip
+    )
 
 
 class _Channel:
@@ -252,7 +258,7 @@ class _Channel:
                 logger.debug("collecting batch results failed", exc_info=True)
                 return
 
-    def close(self, results: dict[int, BatchResult]) -> None:
+    def close(self) -> None:
         """After every replica finished (the executor's final exchange): collect what is left, stop the thread."""
         self._stop.set()
         if self._thread is not None:

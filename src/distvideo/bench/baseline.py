@@ -9,8 +9,8 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from distvideo.config import GenerationRequest
 from distvideo.devices import peak_memory_mb, reset_peak_memory
+from distvideo.request import GenerationRequest
 
 logger = logging.getLogger("distvideo.cli")
 

@@ -10,8 +10,8 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from distvideo.bench.plan import MATMUL_SECONDS, RATIO_FIGURES, STAGES
-from distvideo.config import GenerationRequest
 from distvideo.devices import component_dtypes, peak_memory_mb, reset_peak_memory
+from distvideo.request import GenerationRequest
 
 if TYPE_CHECKING:
     import numpy as np

@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from distvideo.cli.arguments import add_engine_arguments, add_request_arguments, configs_from_args
-from distvideo.config import GenerationRequest
 from distvideo.engine import ResolvedEngine
 from distvideo.errors import ConfigError
+from distvideo.request import GenerationRequest
 
 DEFAULT_PROMPT = "a red fox running through snow"
 STAGES = ("text_encoding", "denoising", "denoising_per_step", "decoding")

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from distvideo.bench.measure import default_matmul_size, device_name, median_record
 from distvideo.bench.plan import MATMUL_SECONDS, RATIO_FIGURES, BenchPlan
-from distvideo.config import GenerationRequest
+from distvideo.request import GenerationRequest
 
 if TYPE_CHECKING:
     from distvideo.protocols import GeneratorHandle

@@ -26,7 +26,7 @@ from distvideo.bench.measure import (
 )
 from distvideo.bench.plan import BenchPlan, plan_from_args
 from distvideo.bench.report import build_report, format_report, write_json
-from distvideo.config import GenerationRequest
+from distvideo.request import GenerationRequest
 
 if TYPE_CHECKING:
     from distvideo.protocols import GeneratorHandle

@@ -14,8 +14,10 @@ import types
 import typing
 from typing import Any
 
-from distvideo.config import EngineConfig, GenerationRequest, LoraSpec, load_config_file
+from distvideo.config import EngineConfig, LoraSpec
+from distvideo.config_files import load_config_file
 from distvideo.errors import ConfigError
+from distvideo.request import GenerationRequest
 
 # GenerationRequest fields offered on the command line, with their help and (where it differs) their flag
 REQUEST_FLAGS: dict[str, dict[str, Any]] = {

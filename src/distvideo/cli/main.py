@@ -95,7 +95,7 @@ def _refuse_an_ignored_seed(args: argparse.Namespace, raw: list[dict[str, Any]])
     """A batch item without a seed of its own gets one from --batch-seed and its index (docs/batch.md), not from
     --seed (or the config file's request.seed), which would then be ignored without a word: refused instead. An item
     with its own seed overrides the flag, as its other fields do."""
-    from distvideo.config import load_config_file
+    from distvideo.config_files import load_config_file
 
     given = f"--seed {args.seed}" if args.seed is not None else None
     if given is None and args.config and "seed" in load_config_file(args.config)["request"]:

@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from distvideo.config import GenerationRequest
 from distvideo.errors import GenerationCancelled, GenerationTimeout, RankFailure
+from distvideo.request import GenerationRequest
 
 if TYPE_CHECKING:
     from distvideo.outputs import ItemOutcome, WorkerOutput

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from distvideo import envs
-from distvideo.config import EngineConfig, GenerationRequest
+from distvideo.config import EngineConfig
 from distvideo.engine import ResolvedEngine
 from distvideo.errors import CollectiveError, ConfigError, DivergentCallError, ProcessGroupBrokenError
 from distvideo.executors.base import Executor, RankStatus, RequestIds, collective_error, method_name, run_guarded
@@ -36,6 +36,7 @@ from distvideo.launch import torch_env_for
 from distvideo.logging_utils import set_log_rank
 from distvideo.outputs import ItemOutcome, WorkerOutput
 from distvideo.parallel.collectives import collective
+from distvideo.request import GenerationRequest
 from distvideo.worker import RankInfo, Worker
 
 logger = logging.getLogger(__name__)

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from distvideo.config import GenerationRequest
 from distvideo.engine import ResolvedEngine
 from distvideo.executors.base import Executor, RequestIds, collective_error, run_guarded
 from distvideo.outputs import ItemOutcome, WorkerOutput
+from distvideo.request import GenerationRequest
 from distvideo.worker import RankInfo, Worker
 
 

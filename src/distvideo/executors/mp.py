@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import cloudpickle
 
-from distvideo.config import GenerationRequest
 from distvideo.engine import ResolvedEngine
 from distvideo.errors import RankFailure, WorkerDiedError
 from distvideo.executors.base import Executor, RankStatus, collective_error, method_name
@@ -54,6 +53,7 @@ from distvideo.executors.mp_wire import (
     segment_buffer,
     take_frames,
 )
+from distvideo.request import GenerationRequest
 
 if TYPE_CHECKING:
     from distvideo.executors.mp_wire import SharedFrames

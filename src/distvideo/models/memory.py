@@ -22,8 +22,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from distvideo.config import GenerationRequest
 from distvideo.models.registry import ModelInfo
+from distvideo.request import GenerationRequest
 
 #: bytes per output pixel per channel of the decoder's base width, for the decode's working set (caches included)
 DECODE_BYTES_PER_PIXEL_CHANNEL = 250

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from distvideo.config import ConfigError, GenerationRequest
+from distvideo.errors import ConfigError
+from distvideo.request import GenerationRequest
 
 IMAGE_NONE, IMAGE_OPTIONAL, IMAGE_REQUIRED = "none", "optional", "required"
 _T5 = ("vae", "text_encoder", "tokenizer", "scheduler")
@@ -207,7 +208,7 @@ class ModelInfo:
                 f"into one latent frame after the first); try {lower} or {lower + k}"
             )
         if read_image and filled.image is not None:
-            from distvideo.media import load_image
+            from distvideo.images import load_image
 
             filled = dataclasses.replace(filled, image=load_image(filled.image))
         return filled

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from distvideo.config import ConfigError
+from distvideo.errors import ConfigError
 
 CFG_DEGREE = 2  # classifier-free guidance has two branches: conditional and unconditional
 

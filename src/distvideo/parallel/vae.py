@@ -41,11 +41,25 @@ MIN_BAND_ROWS = 2
 # stops the plan from applying: a new diffusers layer might mix rows, and a wrong frame is worse than a slow one.
 _ROW_LOCAL_MODULES = frozenset(
     {
-        "WanDecoder3d", "WanMidBlock", "WanUpBlock", "WanResidualUpBlock", "WanResidualBlock", "WanResample",
-        "WanRMS_norm", "WanUpsample", "DupUp3D", "Sequential", "ModuleList", "Dropout", "Identity", "SiLU",
-        "WanCausalConv3d", "Conv2d", "WanAttentionBlock",
+        "WanDecoder3d",
+        "WanMidBlock",
+        "WanUpBlock",
+        "WanResidualUpBlock",
+        "WanResidualBlock",
+        "WanResample",
+        "WanRMS_norm",
+        "WanUpsample",
+        "DupUp3D",
+        "Sequential",
+        "ModuleList",
+        "Dropout",
+        "Identity",
+        "SiLU",
+        "WanCausalConv3d",
+        "Conv2d",
+        "WanAttentionBlock",
     }
-)  # fmt: skip
+)
 
 
 # --- band arithmetic (pure) -----------------------------------------------------------------------------------------

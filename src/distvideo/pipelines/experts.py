@@ -129,8 +129,12 @@ class ExpertResidency:
         self.counts["swaps"] += 1
         logger.debug(
             "experts: %s on %s, %s to host memory in %.2f s (%.2f GiB each)",
-            name, self.device, self.active, self.last_swap_s, self.resident_bytes(name) / 2**30,
-        )  # fmt: skip
+            name,
+            self.device,
+            self.active,
+            self.last_swap_s,
+            self.resident_bytes(name) / 2**30,
+        )
         self.active = name
 
     def _swap(self, outgoing: str, incoming: str) -> None:

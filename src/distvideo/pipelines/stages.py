@@ -1,5 +1,6 @@
-"""What the Wan families beyond Wan2.1 text-to-video share: running a list of named, timed stages, and a denoising
-loop that reports every step to the caller's `control` (progress and cancellation).
+"""What the Wan families beyond Wan2.1 text-to-video share: running a list of named, timed stages (the denoising
+stage is Wan2.1's loop, which reports every step to the caller's `control`: progress and cancellation), and the
+image conditioning computed once for every rank.
 
 Each family's ``__call__`` lists its stages in the order of its algorithm, so the list reads as that algorithm; the
 stages themselves are the Wan2.1 ones (text encoding, timesteps, noise, decode, frames) plus the family's own
@@ -9,18 +10,12 @@ stages themselves are the Wan2.1 ones (text encoding, timesteps, noise, decode, 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-from distvideo.pipelines.wan import WanBatch, WanT2VPipeline
-
-
-class StepControl(Protocol):
-    """What a denoising loop reports to: `after_step(done, total)` after each step (it may raise to stop)."""
-
-    def after_step(self, done: int, total: int) -> None: ...
-
+from distvideo.pipelines.control import StepControl
+from distvideo.pipelines.wan import WanBatch, WanT2VPipeline, record_per_step_denoising
 
 Stage = tuple[str, Callable[[Any], None]]
 
@@ -33,22 +28,8 @@ class StagedWanPipeline(WanT2VPipeline):
             with self._timed(batch, name):
                 stage(batch)
         assert batch.timesteps is not None
-        batch.timings["per_step_denoising"] = batch.timings["denoising"] / max(1, len(batch.timesteps))
+        record_per_step_denoising(batch.timings, len(batch.timesteps))
         return batch
-
-    @torch.no_grad()
-    def denoise(self, batch: WanBatch, control: StepControl | None = None) -> None:  # type: ignore[override]
-        assert batch.latents is not None and batch.timesteps is not None
-        latents = batch.latents
-        total = len(batch.timesteps)
-        with self._progress(total) as bar:
-            for i, t in enumerate(batch.timesteps):
-                noise_pred = self.predict_noise(latents, t, batch)
-                latents = batch.scheduler.step(noise_pred, t, latents, return_dict=False)[0]
-                bar.update()
-                if control is not None:
-                    control.after_step(i + 1, total)
-        batch.latents = latents
 
     def denoise_stage(self, control: StepControl | None) -> Callable[[WanBatch], None]:
         return lambda batch: self.denoise(batch, control)

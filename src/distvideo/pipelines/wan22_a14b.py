@@ -15,12 +15,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from distvideo.config import GenerationRequest
 from distvideo.models.registry import ModelInfo
+from distvideo.pipelines.control import StepControl
 from distvideo.pipelines.experts import ExpertResidency, boundary_timestep, expert_for_step
-from distvideo.pipelines.stages import StagedWanPipeline, StepControl
+from distvideo.pipelines.stages import StagedWanPipeline
 from distvideo.pipelines.wan import WanBatch
 from distvideo.pipelines.wan_i2v import WanI2VPipeline
+from distvideo.request import GenerationRequest
 
 if TYPE_CHECKING:
     from distvideo.parallel.context import ParallelContext

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
-from distvideo.config import GenerationRequest
 from distvideo.pipelines.conditioning import condition_latents, pil_image, vae_image
-from distvideo.pipelines.stages import StagedWanPipeline, StepControl
+from distvideo.pipelines.control import StepControl
+from distvideo.pipelines.stages import StagedWanPipeline
 from distvideo.pipelines.wan import WanBatch
+from distvideo.request import GenerationRequest
 
 
 @dataclass

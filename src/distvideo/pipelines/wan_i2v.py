@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from distvideo.config import GenerationRequest
 from distvideo.models.registry import ModelInfo
 from distvideo.pipelines.conditioning import (
     clip_image_tokens,
@@ -26,8 +25,10 @@ from distvideo.pipelines.conditioning import (
     pil_image,
     vae_image,
 )
-from distvideo.pipelines.stages import StagedWanPipeline, StepControl
+from distvideo.pipelines.control import StepControl
+from distvideo.pipelines.stages import StagedWanPipeline
 from distvideo.pipelines.wan import WanBatch
+from distvideo.request import GenerationRequest
 
 if TYPE_CHECKING:
     from distvideo.parallel.context import ParallelContext

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from distvideo.config import GenerationRequest
 from distvideo.errors import ConfigError
 from distvideo.models.registry import ModelInfo
+from distvideo.request import GenerationRequest
 from distvideo.serving.options import ServeLimits
 from distvideo.serving.schemas import VideoCreate
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from distvideo.config import GenerationRequest
+    from distvideo.request import GenerationRequest
 
 LOADING, OK, STOPPING, UNHEALTHY = "loading", "ok", "stopping", "unhealthy"
 

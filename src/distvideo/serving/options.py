@@ -9,8 +9,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from distvideo.config import MAX_STEPS
 from distvideo.errors import ConfigError
+from distvideo.request import MAX_STEPS
 
 DEFAULT_HOST = "127.0.0.1"  # loopback: nothing listens beyond this machine unless asked (--host)
 

@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from distvideo.config import GenerationRequest
 from distvideo.errors import (
     ConfigError,
     GenerationCancelled,
@@ -19,6 +18,7 @@ from distvideo.errors import (
     ProcessGroupBrokenError,
     WorkerDiedError,
 )
+from distvideo.request import GenerationRequest
 from distvideo.serving.adapters import Adapters
 from distvideo.serving.channel import JobChannel
 from distvideo.serving.jobs import STOPPING, UNHEALTHY, QueuedJob, Service

@@ -127,16 +127,6 @@ class JobStore:
                 (FAILED, code, message, int(time.time()), job_id),
             )
 
-    def fail_queued(self, code: str, message: str) -> list[str]:
-        """Mark every queued job failed (the server is stopping or broken); returns their ids."""
-        with self._tx() as db:
-            ids = [row["id"] for row in db.execute("SELECT id FROM videos WHERE status=?", (QUEUED,))]
-            db.execute(
-                "UPDATE videos SET status=?, error_code=?, error_message=?, completed_at=? WHERE status=?",
-                (FAILED, code, message, int(time.time()), QUEUED),
-            )
-        return ids
-
     def delete(self, job_id: str) -> bool:
         with self._tx() as db:
             return db.execute("DELETE FROM videos WHERE id=?", (job_id,)).rowcount > 0

@@ -1,8 +1,8 @@
 """Random-weight checkpoints in the shape of each Wan family beyond Wan2.1 text-to-video, for tests and benchmarks.
 
 Each builder writes a complete diffusers-format folder laid out like the published checkpoint of its family, with
-the family's structure at a tiny width (the same deterministic initialisation, tokenizer and text encoder as
-:mod:`distvideo.testing.checkpoints`):
+the family's structure at a tiny width (built from the same parts as the Wan2.1 checkpoints of
+:mod:`distvideo.testing.checkpoints`: :mod:`distvideo.testing.components` and the tiny tokenizer):
 
 - ``wan21_i2v``: ``WanImageToVideoPipeline`` like ``Wan-AI/Wan2.1-I2V-14B-480P-Diffusers``: a CLIP vision encoder and
   its image processor, a transformer with image cross-attention (``image_dim``, ``added_kv_proj_dim``) taking 36
@@ -18,28 +18,28 @@ the family's structure at a tiny width (the same deterministic initialisation, t
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from distvideo.testing.checkpoints import (
-    _WAN21_LATENTS_MEAN,
-    _WAN21_LATENTS_STD,
-    _build_scheduler,
-    _build_text_encoder,
-    _cast,
-    _init_weights,
-    _write_json,
+from distvideo.testing.components import (
+    SEED_OFFSETS,
+    build_scheduler,
+    build_text_encoder,
+    build_transformer,
+    build_vae,
+    cast,
+    fresh_checkpoint_folder,
+    init_weights,
+    write_json,
 )
 from distvideo.testing.tokenizer import build_tiny_tokenizer, save_tokenizer
 
 __all__ = ["FAMILY_BUILDS", "build_family_checkpoint", "with_scheduler", "write_test_image"]
 
-_VAE_OUT_GAIN = 0.75  # as in checkpoints.py: keeps random decoders' output mostly inside [-1, 1]
-_SEED_OFFSETS = {"transformer": 0, "transformer_2": 500, "vae": 1_000, "text_encoder": 2_000, "image_encoder": 3_000}
+_SEED_OFFSETS = {**SEED_OFFSETS, "transformer_2": 500, "image_encoder": 3_000}
 
 #: What each family's checkpoint holds: pipeline class, experts, boundary, timesteps per token, image encoder, VAE.
 FAMILY_BUILDS: dict[str, dict[str, Any]] = {
@@ -81,61 +81,21 @@ FAMILY_BUILDS: dict[str, dict[str, Any]] = {
 _CLIP_IMAGE_SIZE = 32
 
 
-def _transformer(
-    *, in_channels: int, out_channels: int, width: tuple[int, int], layers: int, text_dim: int, image_dim: int | None,
-    seed: int,
-) -> Any:  # fmt: skip
-    from diffusers import WanTransformer3DModel
-
-    heads, head_dim = width
-    model = WanTransformer3DModel(
-        patch_size=(1, 2, 2),
-        num_attention_heads=heads,
-        attention_head_dim=head_dim,
-        in_channels=in_channels,
-        out_channels=out_channels,
-        text_dim=text_dim,
-        freq_dim=256,
-        ffn_dim=2 * heads * head_dim,
-        num_layers=layers,
-        cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads",
-        eps=1e-6,
-        image_dim=image_dim,
-        added_kv_proj_dim=heads * head_dim if image_dim is not None else None,
-        rope_max_seq_len=1024,
-    )
-    _init_weights(model, seed)
-    return model
-
-
 def _vae(kind: str, *, base_dim: int, seed: int) -> Any:
-    from diffusers import AutoencoderKLWan
-
     if kind == "wan21":
-        z_dim, extra = 16, {}
-    else:  # the Wan2.2 VAE: 48 latent channels, 2x2 patchified pixels, residual up/down blocks, spatial factor 16
-        z_dim = 48
-        extra = dict(
-            is_residual=True, in_channels=12, out_channels=12, patch_size=2, scale_factor_spatial=16,
-            decoder_base_dim=2 * base_dim,
-        )  # fmt: skip
-    reps = -(-z_dim // len(_WAN21_LATENTS_MEAN))
-    vae = AutoencoderKLWan(
+        return build_vae(base_dim=base_dim, z_dim=16, seed=seed)
+    # the Wan2.2 VAE: 48 latent channels, 2x2 patchified pixels, residual up/down blocks, spatial factor 16
+    return build_vae(
         base_dim=base_dim,
-        z_dim=z_dim,
-        dim_mult=[1, 2, 4, 4],
-        num_res_blocks=2,
-        attn_scales=[],
-        temperal_downsample=[False, True, True],
-        dropout=0.0,
-        latents_mean=(_WAN21_LATENTS_MEAN * reps)[:z_dim],
-        latents_std=(_WAN21_LATENTS_STD * reps)[:z_dim],
-        scale_factor_temporal=4,
-        **extra,
+        z_dim=48,
+        seed=seed,
+        is_residual=True,
+        in_channels=12,
+        out_channels=12,
+        patch_size=2,
+        scale_factor_spatial=16,
+        decoder_base_dim=2 * base_dim,
     )
-    _init_weights(vae, seed, out_gain={"decoder.conv_out": _VAE_OUT_GAIN})
-    return vae
 
 
 def _image_encoder(*, hidden: int, seed: int) -> tuple[Any, Any]:
@@ -151,7 +111,7 @@ def _image_encoder(*, hidden: int, seed: int) -> tuple[Any, Any]:
         projection_dim=hidden,
     )
     model = CLIPVisionModel(config)
-    _init_weights(model, seed)
+    init_weights(model, seed)
     processor = CLIPImageProcessor(
         size={"shortest_edge": _CLIP_IMAGE_SIZE}, crop_size={"height": _CLIP_IMAGE_SIZE, "width": _CLIP_IMAGE_SIZE}
     )
@@ -178,32 +138,40 @@ def build_family_checkpoint(
     if family not in FAMILY_BUILDS:
         raise ValueError(f"family={family!r} is not one of {', '.join(FAMILY_BUILDS)}")
     spec = FAMILY_BUILDS[family]
-    out = Path(out_dir)
-    if out.exists():
-        if not out.is_dir() or (any(out.iterdir()) and not (out / "model_index.json").is_file()):
-            raise FileExistsError(f"out_dir={str(out)!r} exists and is not a checkpoint folder; refusing to replace it")
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
+    out = fresh_checkpoint_folder(out_dir)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         index = _write_family(
-            out, spec, scheduler=scheduler, seed=seed, layers=num_layers,
-            width=(num_attention_heads, attention_head_dim), text_dim=text_dim, vae_base_dim=vae_base_dim,
-        )  # fmt: skip
-    _write_json(out / "model_index.json", index)
+            out,
+            spec,
+            scheduler=scheduler,
+            seed=seed,
+            layers=num_layers,
+            width=(num_attention_heads, attention_head_dim),
+            text_dim=text_dim,
+            vae_base_dim=vae_base_dim,
+        )
+    write_json(out / "model_index.json", index)
     if defaults is not None:
-        _write_json(out / "distvideo_defaults.json", dict(defaults))
+        write_json(out / "distvideo_defaults.json", dict(defaults))
     return out
 
 
 def _write_family(
-    out: Path, spec: dict[str, Any], *, scheduler: str, seed: int, layers: int, width: tuple[int, int], text_dim: int,
+    out: Path,
+    spec: dict[str, Any],
+    *,
+    scheduler: str,
+    seed: int,
+    layers: int,
+    width: tuple[int, int],
+    text_dim: int,
     vae_base_dim: int,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     import diffusers
     from transformers.utils import logging as hf_logging
 
-    sched = _build_scheduler(scheduler)
+    sched = build_scheduler(scheduler)
     sched.register_to_config(
         **({"flow_shift": spec["flow_shift"]} if scheduler == "unipc" else {"shift": spec["flow_shift"]})
     )
@@ -215,20 +183,34 @@ def _write_family(
     clip_hidden = 32 if spec.get("image_encoder") else None
     experts = ["transformer", "transformer_2"][: spec["experts"]]
     for name in experts:
-        model = _transformer(
-            in_channels=spec["in_channels"], out_channels=z_dim, width=width, layers=layers, text_dim=text_dim,
-            image_dim=clip_hidden, seed=seed + _SEED_OFFSETS[name],
-        )  # fmt: skip
+        heads, head_dim = width
+        model = build_transformer(
+            num_layers=layers,
+            num_attention_heads=heads,
+            attention_head_dim=head_dim,
+            ffn_dim=2 * heads * head_dim,
+            text_dim=text_dim,
+            freq_dim=256,
+            z_dim=z_dim,
+            seed=seed + _SEED_OFFSETS[name],
+            in_channels=spec["in_channels"],
+            image_dim=clip_hidden,
+        )
         model.save_pretrained(out / name, safe_serialization=True)
     _vae(spec["vae"], base_dim=vae_base_dim, seed=seed + _SEED_OFFSETS["vae"]).save_pretrained(
         out / "vae", safe_serialization=True
     )
-    text_encoder = _build_text_encoder(
-        vocab_size=tokenizer.get_vocab_size(), d_model=text_dim, num_layers=2, num_heads=2, d_kv=8, d_ff=64,
+    text_encoder = build_text_encoder(
+        vocab_size=tokenizer.get_vocab_size(),
+        d_model=text_dim,
+        num_layers=2,
+        num_heads=2,
+        d_kv=8,
+        d_ff=64,
         seed=seed + _SEED_OFFSETS["text_encoder"],
-    )  # fmt: skip
+    )
     hf_logging.disable_progress_bar()
-    _cast(text_encoder, torch.float32).save_pretrained(out / "text_encoder", safe_serialization=True)
+    cast(text_encoder, torch.float32).save_pretrained(out / "text_encoder", safe_serialization=True)
     index: dict[str, Any] = {
         "_class_name": spec["class_name"],
         "_diffusers_version": diffusers.__version__,
@@ -275,12 +257,12 @@ def with_scheduler(checkpoint: str | Path, out_dir: str | Path, scheduler: str) 
     index = json.loads((src / "model_index.json").read_text())
     old = json.loads((src / "scheduler" / "scheduler_config.json").read_text())
     shift = old.get("flow_shift", old.get("shift", 3.0))
-    sched = _build_scheduler(scheduler)
+    sched = build_scheduler(scheduler)
     sched.register_to_config(**({"flow_shift": shift} if scheduler == "unipc" else {"shift": shift}))
     sched.save_pretrained(out / "scheduler")
     for entry in sorted(src.iterdir()):
         if entry.name not in ("scheduler", "model_index.json"):
             (out / entry.name).symlink_to(entry.resolve(), target_is_directory=entry.is_dir())
     index["scheduler"] = ["diffusers", type(sched).__name__]
-    _write_json(out / "model_index.json", index)
+    write_json(out / "model_index.json", index)
     return out

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import re
-from collections.abc import Iterator
 
 import numpy as np
 
@@ -176,9 +175,3 @@ def sample_clip(
         caption, num_frames=num_frames, height=height, width=width, start=start, travel=travel, half_size=r
     )
     return caption, frames
-
-
-def iter_clips(seed: int, count: int, **kwargs: int) -> Iterator[tuple[Caption, np.ndarray]]:
-    """``sample_clip(seed, i)`` for i in range(count)."""
-    for i in range(count):
-        yield sample_clip(seed, i, **kwargs)  # type: ignore[arg-type]

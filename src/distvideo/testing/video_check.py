@@ -49,9 +49,13 @@ class CheckResult:
 
 def _background(frames: np.ndarray) -> np.ndarray:
     border = np.concatenate(
-        [frames[:, 0].reshape(-1, 3), frames[:, -1].reshape(-1, 3), frames[:, :, 0].reshape(-1, 3),
-         frames[:, :, -1].reshape(-1, 3)]
-    )  # fmt: skip
+        [
+            frames[:, 0].reshape(-1, 3),
+            frames[:, -1].reshape(-1, 3),
+            frames[:, :, 0].reshape(-1, 3),
+            frames[:, :, -1].reshape(-1, 3),
+        ]
+    )
     return np.median(border.astype(np.float32), axis=0)
 
 
@@ -99,9 +103,12 @@ def check_video(frames: np.ndarray, caption: Caption | str) -> CheckResult:
     side = width if ux else height
     if along < MIN_MOVE * side:
         return CheckResult(
-            cap.text, False, dominant, (dx, dy),
+            cap.text,
+            False,
+            dominant,
+            (dx, dy),
             f"moved {along:.1f} px {cap.direction}, less than {MIN_MOVE:.0%} of {side} px",
-        )  # fmt: skip
+        )
     if across >= along:
         return CheckResult(cap.text, False, dominant, (dx, dy), f"moved {across:.1f} px across, {along:.1f} px along")
     return CheckResult(cap.text, True, dominant, (dx, dy), "ok")

@@ -1,0 +1,93 @@
+"""The conditioning image of image-to-video requests: its accepted forms checked (no file read), its pixels read, and
+its fingerprint, which ranks compare to agree on it."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from distvideo.errors import ConfigError
+
+IMAGE_FORMS = "a file path, a PIL image or a uint8 array (H, W, 3)"
+
+
+def check_image_type(image: Any) -> None:
+    """ConfigError unless `image` is a path, a PIL image or a uint8 (H, W), (H, W, 3) or (H, W, 4) array (no file
+    is read)."""
+    if isinstance(image, (str, os.PathLike)):
+        if not os.fspath(image):
+            raise ConfigError(f"image: empty path; pass {IMAGE_FORMS}")
+        return
+    if isinstance(image, np.ndarray):
+        if image.dtype != np.uint8 or image.ndim not in (2, 3) or (image.ndim == 3 and image.shape[2] not in (3, 4)):
+            raise ConfigError(
+                f"image: an array must be uint8 of shape (H, W, 3) (RGB), (H, W, 4) or (H, W); got {image.dtype} "
+                f"{image.shape}"
+            )
+        if min(image.shape[:2]) < 1:
+            raise ConfigError(f"image: the array has no pixels (shape {image.shape})")
+        return
+    if not _is_pil_image(image):
+        raise ConfigError(f"image: expected {IMAGE_FORMS}, got {type(image).__name__}")
+
+
+def _is_pil_image(image: Any) -> bool:
+    try:
+        from PIL import Image
+    except ImportError:  # pragma: no cover - PIL comes with diffusers
+        return False
+    return isinstance(image, Image.Image)
+
+
+def load_image(image: Any) -> np.ndarray:
+    """The RGB pixels (H, W, 3) uint8 of a path, PIL image or array (alpha dropped, grey expanded); ConfigError
+    naming the file when it is missing or not an image."""
+    from PIL import Image, UnidentifiedImageError
+
+    check_image_type(image)
+    if isinstance(image, np.ndarray):
+        pil = Image.fromarray(image)
+    elif isinstance(image, (str, os.PathLike)):
+        path = Path(image).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"image: {str(path)!r} does not exist on host {_hostname()} (or is not a file)")
+        try:
+            with Image.open(path) as opened:
+                pil = opened.convert("RGB")
+        except (UnidentifiedImageError, OSError, ValueError) as exc:
+            raise ConfigError(f"image: {str(path)!r} is not an image PIL can read ({exc})") from None
+    else:
+        pil = image
+    return np.ascontiguousarray(np.asarray(pil.convert("RGB"), dtype=np.uint8))
+
+
+def image_fingerprint(image: Any) -> str | None:
+    """What ranks compare to agree on an image: the sha256 of its pixels (paths: of the file's bytes, so the same
+    file at different paths agrees), "missing" for a file that cannot be read here, None for no image."""
+    if image is None:
+        return None
+    digest = hashlib.sha256()
+    if isinstance(image, (str, os.PathLike)):
+        try:
+            digest.update(Path(image).expanduser().read_bytes())
+        except OSError as exc:
+            return f"not readable on {_hostname()} ({type(exc).__name__})"
+        return "file sha256 " + digest.hexdigest()[:16]
+    if _is_pil_image(image):
+        digest.update(f"{image.mode} {image.size}".encode())
+        digest.update(image.tobytes())
+    else:
+        array = np.ascontiguousarray(image)
+        digest.update(f"{array.dtype} {array.shape}".encode())
+        digest.update(array.tobytes())
+    return "pixels sha256 " + digest.hexdigest()[:16]
+
+
+def _hostname() -> str:
+    import socket
+
+    return socket.gethostname()

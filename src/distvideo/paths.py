@@ -1,0 +1,84 @@
+"""Filesystem rules of output paths: what can be a file name at all, a video's name from its prompt and seed, and
+whether the folder it would go to can take it (checked before any work)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import unicodedata
+from pathlib import Path
+
+from distvideo.errors import ConfigError
+
+NAME_MAX = 255  # bytes of one path component on Linux file systems
+PATH_MAX = 4096
+
+
+def path_problem(path: str) -> str | None:
+    """Why `path` cannot be a file name at all (NUL byte, over-long component or path), or None."""
+    if "\x00" in path:
+        return "contains a NUL byte"
+    if len(os.fsencode(path)) >= PATH_MAX:
+        return f"is {len(os.fsencode(path))} bytes long; paths are limited to {PATH_MAX - 1}"
+    for part in Path(path).parts:
+        if len(os.fsencode(part)) > NAME_MAX:
+            return f"has a name of {len(os.fsencode(part))} bytes ({part[:20]}...); names are limited to {NAME_MAX}"
+    return None
+
+
+_MAX_STEM = 60
+
+
+def sanitize_prompt(prompt: str) -> str:
+    """A file-name-safe stem from a prompt: its words transliterated to ASCII (anyascii: 'Кошка' -> 'koshka',
+    '日本' -> 'riben') and joined by '_', at most 60 characters. A prompt that is not plain ASCII also gets 8 hex
+    digits of its hash, so two prompts that read alike in ASCII keep apart names."""
+    from anyascii import anyascii
+
+    normalized = unicodedata.normalize("NFC", prompt)
+    words = re.findall(r"[A-Za-z0-9]+", anyascii(normalized).lower())
+    stem = "_".join(words)[:_MAX_STEM].strip("_") or "video"
+    if not normalized.isascii():
+        stem = f"{stem[: _MAX_STEM - 9]}_{hashlib.sha256(normalized.encode()).hexdigest()[:8]}"
+    return stem
+
+
+def resolve_output_path(output: str | None, prompt: str, seed: int, default_dir: str = "outputs") -> Path:
+    """`output` ending in .mp4 is a file; otherwise (or None) a folder where the name comes from the
+    prompt and seed. Never an existing entry (a dangling symlink counts): `_1`, `_2`, ... are appended until the
+    name is free."""
+    if output is not None and output.lower().endswith(".mp4"):
+        target = Path(output)
+    else:
+        folder = Path(output) if output else Path(default_dir)
+        target = folder / f"{sanitize_prompt(prompt)}_seed{seed}.mp4"
+    return first_free(target)
+
+
+def first_free(target: Path) -> Path:
+    if not os.path.lexists(target):
+        return target
+    n = 1
+    while True:
+        candidate = target.with_name(f"{target.stem}_{n}{target.suffix}")
+        if not os.path.lexists(candidate):
+            return candidate
+        n += 1
+
+
+def check_output_target(target: Path) -> None:
+    """Refuse (ConfigError) an output the writer could not create, before any work: a folder that is a file, a
+    folder or the nearest existing ancestor not writable, a name too long for the file system."""
+    problem = path_problem(str(target))
+    if problem:
+        raise ConfigError(f"output_path {str(target)!r}: {problem}")
+    folder = target.parent
+    existing = folder
+    while not os.path.lexists(existing) and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"output_path {str(target)!r}: {existing} is not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "the folder" if existing == folder else f"{existing}, where its folder would be created,"
+        raise ConfigError(f"output_path {str(target)!r}: {what} is not writable by this user")
