@@ -156,7 +156,8 @@ def test_apply_plans_returns_the_names_and_their_undo(components):
     }
     remove_plan(components["vae"], "cpu-kernels")  # removed by name first: the undo skips it
     assert applied.names() == {"transformer": ["text-padding", "text-projection-memo", "cpu-kernels"]}
-    applied()
+    apply_plan(components["transformer"], UlyssesPlan(None, 2, 0))  # a later plan on top of them
+    applied()  # removes it too: it cannot stay without the plans under it
     assert applied.names() == {}
     assert {name: _state(module) for name, module in components.items()} == loaded
 

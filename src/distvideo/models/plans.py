@@ -220,8 +220,9 @@ def remove_plan(module: nn.Module, name: str) -> None:
 
 
 class AppliedPlans:
-    """What :func:`apply_plans` applied: calling it removes those plans, last first; `names()` reads every
-    component's plans from its module (plans applied later by others included)."""
+    """What :func:`apply_plans` applied: calling it removes those plans, last first, and with each one the plans
+    applied on top of it later (they rely on it, and a plan under another cannot be removed alone), so the modules are
+    as loaded again; `names()` reads every component's plans from its module (later ones included)."""
 
     def __init__(self, components: dict[str, Any], applied: list[tuple[str, str]]) -> None:
         self._components = components
@@ -243,8 +244,10 @@ class AppliedPlans:
         while self._applied:
             component, name = self._applied.pop()
             module = self._components[component]
-            if name in applied_plans(module):  # not already removed by name
-                remove_plan(module, name)
+            names = applied_plans(module)
+            if name in names:  # not already removed by name
+                for above in reversed(names[names.index(name) :]):
+                    remove_plan(module, above)
 
 
 def apply_plans(components: dict[str, Any], plans: Sequence[ModulePlan]) -> AppliedPlans:
