@@ -29,7 +29,7 @@ from distvideo.launch import LaunchEnv
 from distvideo.models import compat
 from distvideo.models.loading import load_components
 from distvideo.models.memory import USABLE_FRACTION, estimate_request, fitting_size
-from distvideo.models.plans import apply_plans, speed_plans
+from distvideo.models.plans import AppliedPlans, apply_plans, speed_plans
 from distvideo.outputs import ItemOutcome, WorkerOutput
 from distvideo.parallel.collectives import collective
 from distvideo.parallel.vae import decode_band_count
@@ -106,7 +106,7 @@ class Worker:
         self.cpu_group: Any = None  # gloo group for control messages (the default group on CPU)
         self.parallel: ParallelContext | None = None  # when world_size > 1
         self.lora: dict[str, LoraState] = {}  # this rank's adapters per transformer (distvideo.lora.rank)
-        self._undo_plans: Callable[[], None] | None = None
+        self._undo_plans: AppliedPlans | None = None  # calling it removes the plans load_model applied
 
     @property
     def is_output_rank(self) -> bool:
@@ -186,6 +186,10 @@ class Worker:
         )
         if self.pipeline.offload.offloaded and self.rank == 0:
             logger.info("%s", self.pipeline.offload.describe())
+
+    def applied_plans(self) -> dict[str, list[str]]:
+        """{component: the names of the plans on it, in the order applied} (collective_rpc("applied_plans"))."""
+        return self._undo_plans.names() if self._undo_plans is not None else {}
 
     def shutdown(self, *, broken: bool = False) -> None:
         """Release the pipeline and the process groups; when it returns, every group this worker created is destructed

@@ -93,6 +93,8 @@ class TextPaddingPlan:
     returns) undoes it. `copies` is the padding run of the current forward (1: not compacted);
     `counts["compacted_forward"]` counts the forwards it served."""
 
+    name = "text-padding"
+
     def __init__(self, counts: Counter[str] | None = None, component: str = "transformer"):
         self.counts = counts if counts is not None else Counter()
         self.component = component
@@ -194,6 +196,8 @@ class TextProjectionMemo:
     """A ModulePlan: memoise the text embedder and every cross-attention's key and value projections of a
     WanTransformer3DModel (image-conditioned blocks excepted: their image and text tokens are re-concatenated per
     forward)."""
+
+    name = "text-projection-memo"
 
     def __init__(self, counts: Counter[str] | None = None, component: str = "transformer"):
         self.counts = counts if counts is not None else Counter()

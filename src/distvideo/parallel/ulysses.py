@@ -165,6 +165,7 @@ class UlyssesPlan:
     """
 
     component = "transformer"
+    name = "ulysses"
 
     def __init__(
         self,

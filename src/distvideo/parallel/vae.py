@@ -120,6 +120,7 @@ class BandedVaeDecoder:
     `decode`."""
 
     component = "vae"
+    name = "vae-band-decode"
 
     def __init__(self, group_for: Callable[[int], Any], rank: int, world_size: int, min_rows: int = MIN_BAND_ROWS):
         self.group_for = group_for  # size -> process group of ranks 0..size-1 (None on ranks outside it)
