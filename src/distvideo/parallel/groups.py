@@ -74,17 +74,18 @@ def _options(backend: str, timeout: timedelta | None) -> Any:
     return C10dBackend.Options(backend, timeout)  # the type init_device_mesh's backend_override names
 
 
-def _build_mesh(
-    device_type: str, dims: dict[str, int], *, world_size: int, backend: str, timeout: timedelta | None
-) -> DeviceMesh:
-    """init_device_mesh over `dims`, every group on `backend`. A dimension as large as the world is the default group
-    (which already has the timeout) when `backend` is the default group's backend."""
+def _build_mesh(device_type: str, dims: dict[str, int], *, backend: str, timeout: timedelta | None) -> DeviceMesh:
+    """init_device_mesh over `dims`, every group on `backend`, each with `timeout`. Without an override a dimension
+    as large as the world is the default group (which has the timeout), but under a gloo default with CUDA present
+    torch makes a new one without it, so gloo dimensions always get the override; under NCCL the default group is
+    reused (a communicator costs device memory)."""
     default_backend = str(dist.get_backend())
+    world_size = dist.get_world_size()
     override: dict[int | str, Any] = {}
     for name, size in dims.items():
         if backend != default_backend:
             override[name] = (backend, _options(backend, timeout))
-        elif size < world_size and timeout is not None:
+        elif timeout is not None and (size < world_size or backend == "gloo"):
             override[name] = _options(backend, timeout)
     return init_device_mesh(
         device_type, tuple(dims.values()), mesh_dim_names=tuple(dims), backend_override=override or None
@@ -116,7 +117,7 @@ class ParallelGroups:
         backend = str(dist.get_backend())
 
         def build(device: str, dims: dict[str, int], on: str) -> DeviceMesh:
-            return _build_mesh(device, dims, world_size=layout.world_size, backend=on, timeout=timeout)
+            return _build_mesh(device, dims, backend=on, timeout=timeout)
 
         with collective("creating the layout's process groups"):
             mesh = build(device_type, mesh_dims(layout), backend)
