@@ -57,10 +57,10 @@ GROUP_MAKERS = {
 }
 
 
-def _is_dist(node: ast.expr) -> bool:
-    """`dist` or `torch.distributed`."""
+def _is_dist(node: ast.expr, aliases: set[str]) -> bool:
+    """`torch.distributed`, or a name it was imported as."""
     if isinstance(node, ast.Name):
-        return node.id == "dist"
+        return node.id in aliases
     return isinstance(node, ast.Attribute) and node.attr == "distributed"
 
 
@@ -72,11 +72,21 @@ def _names_world_or_none(node: ast.expr) -> bool:
 
 def unnamed_groups(source: str, where: str) -> list[str]:
     """Every torch.distributed collective in `source` whose group is missing, None or the world group."""
-    found = []
-    for node in ast.walk(ast.parse(source)):
+    found, tree = [], ast.parse(source)
+    aliases = {"dist"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases |= {a.asname for a in node.names if a.name == "torch.distributed" and a.asname}
+        if isinstance(node, ast.ImportFrom) and node.module == "torch.distributed":
+            for name in node.names:  # a bare collective would escape the scan below
+                if name.name in COLLECTIVES:
+                    found.append(
+                        f"{where}:{node.lineno}: import {name.name} from torch.distributed: call dist.{name.name}"
+                    )
+    for node in ast.walk(tree):
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
             continue
-        if node.func.attr not in COLLECTIVES or not _is_dist(node.func.value):
+        if node.func.attr not in COLLECTIVES or not _is_dist(node.func.value, aliases):
             continue
         group = next((k.value for k in node.keywords if k.arg == "group"), None)
         if group is None and node.func.attr == "P2POp" and len(node.args) >= 4:
@@ -134,6 +144,8 @@ def test_groups_are_made_by_the_mesh_or_a_listed_exception():
         ("dist.all_gather(out, x, group=None)", 1),
         ("dist.barrier(group=dist.group.WORLD)", 1),
         ("dist.P2POp(dist.isend, x, 1)", 1),
+        ("import torch.distributed as c10d\nc10d.all_reduce(x)", 1),
+        ("from torch.distributed import all_reduce", 1),
         ("dist.all_reduce(x, group=self.groups.replica)", 0),
         ("dist.P2POp(dist.isend, x, 1, band.group)", 0),
         ("dist.get_rank()", 0),
