@@ -148,11 +148,13 @@ class Worker:
                     **kwargs,
                 )
                 self.process_group_initialized = True
+                # World-wide on purpose, so no mesh dimension: the external executor's status exchange after every
+                # call reaches every rank of every replica. On CPU the default group is gloo already.
                 if backend == "gloo":
                     self.cpu_group = torch.distributed.group.WORLD
                 else:
                     self.cpu_group = torch.distributed.new_group(backend="gloo", timeout=self.timeout)
-        if self.world_size > 1:  # the layout's process groups, once, right after the default group
+        if self.world_size > 1:  # the layout's device mesh and its groups, once, right after the default group
             from distvideo.parallel.context import ParallelContext
 
             self.parallel = ParallelContext.create(self.engine.layout, device=self.device, timeout=self.timeout)

@@ -37,7 +37,8 @@ def cfg_parallel_noise(
     group: Any,
     counts: Counter[str] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(conditional, unconditional or None) noise predictions; this rank computes one, the all-gather the other."""
+    """(conditional, unconditional or None) noise predictions; this rank computes one, the all-gather over `group`
+    (the ``cfg`` dimension of the layout's mesh, group rank = cfg_rank) the other."""
     if not do_cfg:
         assert prompt_embeds is not None
         return noise(prompt_embeds), None

@@ -48,7 +48,7 @@ class ParallelContext:
         cls, layout: ParallelLayout, *, device: torch.device, timeout: timedelta | None = None
     ) -> ParallelContext:
         """Create the layout's process groups (collective: every rank calls it, once)."""
-        return cls(ParallelGroups.create(layout, timeout=timeout), device=device)
+        return cls(ParallelGroups.create(layout, device_type=device.type, timeout=timeout), device=device)
 
     def plans(self, transformers: Sequence[str] = ("transformer",)) -> list[ModulePlan]:
         """Ulysses on every denoising transformer (sp > 1; a second expert gets its own plan, counting into the

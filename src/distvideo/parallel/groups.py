@@ -1,10 +1,23 @@
-"""The process groups of a parallel layout, created once per worker after the default group exists.
+"""The process groups of a parallel layout, as named dimensions of torch's DeviceMesh, created once per worker after
+the default group exists.
 
-`torch.distributed.new_group` is collective over the whole world: every rank creates every group, in the same
-order, even the groups it is not in. Each group has a CPU (gloo) twin for control messages; on CPU the device
-groups are gloo already and the twins are the same objects. With several replicas every group is created up front
-(the decode's smaller groups included): replicas run different requests, so no group can be created in the middle
-of one.
+The mesh has the layout's degrees as dimensions, in its rank order (layout.py): ``replica`` (the replicas), ``cfg``
+(the two guidance branches), ``sp`` (sequence parallelism); a dimension of degree 1 is left out, as in torchtitan's
+``ParallelDims``, since it would only create one-rank groups. The group along a dimension holds the ranks whose other
+coordinates equal this rank's: ``mesh.get_group("sp")`` is its sequence-parallel group, ``"cfg"`` its CFG pair. The
+ranks of this rank's replica, the ones that run a request together, are every cfg and sp coordinate at its replica
+coordinate: the dimension ``cfg_sp`` of a second mesh, (replica, cfg_sp). torch flattens dimensions only with a
+private method (``DeviceMesh._flatten``), so the second mesh is built with the public ``init_device_mesh`` instead;
+it is needed only when both cfg and sp are on (otherwise the replica is the ``sp`` or the ``cfg`` dimension).
+
+The control messages (the stop check after a step, the memory check of a request) are CPU tensors over the replica's
+ranks, so the replica's dimension has a gloo twin when the device backend is not gloo; on CPU the device groups are
+gloo already and the twin is the same group.
+
+Creating groups is collective over the whole world: every rank creates every group, in the same order, even the
+groups it is not in. The decode's band groups whose size is no dimension (a band count follows the latent height,
+not the layout) are prefixes of a replica's ranks, made with ``new_group``; with several replicas they are created
+up front: replicas run different requests, so no group can be created in the middle of one.
 """
 
 from __future__ import annotations
@@ -15,11 +28,68 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+from torch._C._distributed_c10d import Backend as C10dBackend
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from distvideo.parallel.collectives import collective
 from distvideo.parallel.layout import ParallelLayout
 
 logger = logging.getLogger(__name__)
+
+MESH_DIMS = ("replica", "cfg", "sp")  # the layout's rank order: rank = (replica * cfg + cfg_rank) * sp + sp_rank
+REPLICA_DIMS = ("replica", "cfg_sp")  # cfg_sp: the ranks of one replica, cfg and sp flattened in the same order
+
+
+def mesh_dims(layout: ParallelLayout) -> dict[str, int]:
+    """The dimensions of the layout's mesh and their sizes, outermost first; those of degree 1 are left out."""
+    degrees = {"replica": layout.replicas, "cfg": layout.cfg_degree, "sp": layout.sp_size}
+    return {name: degrees[name] for name in MESH_DIMS if degrees[name] > 1}
+
+
+def replica_mesh_dims(layout: ParallelLayout) -> dict[str, int]:
+    """The dimensions of the (replica, cfg_sp) mesh: cfg_sp holds the ranks of one replica."""
+    degrees = {"replica": layout.replicas, "cfg_sp": layout.replica_size}
+    return {name: degrees[name] for name in REPLICA_DIMS if degrees[name] > 1}
+
+
+def replica_dim(layout: ParallelLayout) -> str | None:
+    """The dimension that holds the ranks of one replica: ``sp`` or ``cfg`` when only one of them is on, ``cfg_sp``
+    (of the replica mesh) when both are, None for replicas of one rank."""
+    if layout.cfg_enabled and layout.sp_enabled:
+        return "cfg_sp"
+    if layout.sp_enabled:
+        return "sp"
+    return "cfg" if layout.cfg_enabled else None
+
+
+def _options(backend: str, timeout: timedelta | None) -> Any:
+    """The backend options carrying `timeout` (dist_timeout reaches every group): init_device_mesh takes a timeout
+    only inside them. None: torch's default timeout, as for any group created without one."""
+    if timeout is None:
+        return None
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout  # ProcessGroupNCCL.Options takes no timeout argument; new_group sets it this way
+        return options
+    return C10dBackend.Options(backend, timeout)  # the type init_device_mesh's backend_override names
+
+
+def _build_mesh(device_type: str, dims: dict[str, int], *, backend: str, timeout: timedelta | None) -> DeviceMesh:
+    """init_device_mesh over `dims`, every group on `backend`, each with `timeout`. Without an override a dimension
+    as large as the world is the default group (which has the timeout), but under a gloo default with CUDA present
+    torch makes a new one without it, so gloo dimensions always get the override; under NCCL the default group is
+    reused (a communicator costs device memory)."""
+    default_backend = str(dist.get_backend())
+    world_size = dist.get_world_size()
+    override: dict[int | str, Any] = {}
+    for name, size in dims.items():
+        if backend != default_backend:
+            override[name] = (backend, _options(backend, timeout))
+        elif timeout is not None and (size < world_size or backend == "gloo"):
+            override[name] = _options(backend, timeout)
+    return init_device_mesh(
+        device_type, tuple(dims.values()), mesh_dim_names=tuple(dims), backend_override=override or None
+    )
 
 
 @dataclass
@@ -27,19 +97,16 @@ class ParallelGroups:
     layout: ParallelLayout
     rank: int
     backend: str  # of the device groups: "gloo" on CPU, "nccl" on CUDA
-    world: Any  # the default group (device backend)
-    world_cpu: Any
-    sp: Any  # this rank's sequence-parallel group (None when sp_size == 1)
-    sp_cpu: Any
-    cfg: Any  # this rank's CFG pair (None when CFG parallelism is off)
-    cfg_cpu: Any
-    replica: Any = None  # this rank's replica (the world when there is one replica)
-    replica_cpu: Any = None
+    mesh: DeviceMesh  # dims replica x cfg x sp (those of degree > 1), device backend
+    replica_mesh: DeviceMesh | None  # the mesh holding replica_dim (device backend); None for replicas of one rank
+    replica_mesh_cpu: DeviceMesh | None  # its gloo twin, dims replica x cfg_sp (the same mesh on CPU)
     timeout: timedelta | None = None
     _prefix_groups: dict[int, Any] = field(default_factory=dict)
 
     @classmethod
-    def create(cls, layout: ParallelLayout, *, timeout: timedelta | None = None) -> ParallelGroups:
+    def create(
+        cls, layout: ParallelLayout, *, device_type: str = "cpu", timeout: timedelta | None = None
+    ) -> ParallelGroups:
         if not dist.is_initialized():
             raise RuntimeError("ParallelGroups.create needs the default process group (init_process_group) first")
         if dist.get_world_size() != layout.world_size:
@@ -48,29 +115,51 @@ class ParallelGroups:
             )
         rank = dist.get_rank()
         backend = str(dist.get_backend())
-        world = dist.group.WORLD
-        with collective("creating the layout's process groups"):
-            world_cpu = world if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
 
-        def mine(all_ranks: list[list[int]]) -> tuple[Any, Any]:
-            device_group = cpu_group = None
-            for ranks in all_ranks:  # every rank creates every group, in the same order
-                g = dist.new_group(ranks=ranks, timeout=timeout)
-                g_cpu = g if backend == "gloo" else dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
-                if rank in ranks:
-                    device_group, cpu_group = g, g_cpu
-            return device_group, cpu_group
+        def build(device: str, dims: dict[str, int], on: str) -> DeviceMesh:
+            return _build_mesh(device, dims, backend=on, timeout=timeout)
 
         with collective("creating the layout's process groups"):
-            sp, sp_cpu = mine(layout.sp_group_ranks()) if layout.sp_enabled else (None, None)
-            cfg, cfg_cpu = mine(layout.cfg_group_ranks()) if layout.cfg_enabled else (None, None)
-            replica, replica_cpu = mine(layout.replica_group_ranks()) if layout.replicas > 1 else (world, world_cpu)
-        logger.debug("rank %d: process groups for %s (%s)", rank, layout.describe(), backend)
-        groups = cls(layout, rank, backend, world, world_cpu, sp, sp_cpu, cfg, cfg_cpu, replica, replica_cpu, timeout)
+            mesh = build(device_type, mesh_dims(layout), backend)
+            replica_mesh = replica_mesh_cpu = None
+            if replica_dim(layout) == "cfg_sp":
+                replica_mesh = build(device_type, replica_mesh_dims(layout), backend)
+            elif replica_dim(layout) is not None:
+                replica_mesh = mesh
+            if replica_mesh is not None:
+                gloo = backend == "gloo"  # on CPU the device groups are the twins
+                replica_mesh_cpu = replica_mesh if gloo else build("cpu", replica_mesh_dims(layout), "gloo")
+        logger.debug("rank %d: process groups for %s (%s): %s", rank, layout.describe(), backend, mesh)
+        groups = cls(layout, rank, backend, mesh, replica_mesh, replica_mesh_cpu, timeout)
         if layout.replicas > 1:
             for size in range(2, layout.replica_size):  # the decode's prefix groups, now rather than mid-request
                 groups.prefix_group(size)
         return groups
+
+    # -- the groups, by mesh dimension ------------------------------------------------------------------------------
+    @property
+    def sp(self) -> Any:
+        """This rank's sequence-parallel group: mesh dimension ``sp`` (None when sp_size == 1)."""
+        return self.mesh.get_group("sp") if self.layout.sp_enabled else None
+
+    @property
+    def cfg(self) -> Any:
+        """This rank's CFG pair: mesh dimension ``cfg``, group rank = cfg_rank (None when CFG parallelism is off)."""
+        return self.mesh.get_group("cfg") if self.layout.cfg_enabled else None
+
+    @property
+    def replica(self) -> Any:
+        """The ranks of this rank's replica (device backend): mesh dimension `replica_dim` (None: one rank)."""
+        dim = replica_dim(self.layout)
+        return None if self.replica_mesh is None or dim is None else self.replica_mesh.get_group(dim)
+
+    @property
+    def replica_cpu(self) -> Any:
+        """The gloo twin of `replica`, for control messages: dimension ``cfg_sp`` of the gloo replica mesh."""
+        if self.replica_mesh_cpu is None:
+            return None
+        dim = replica_dim(self.layout) if self.replica_mesh_cpu is self.replica_mesh else "cfg_sp"
+        return self.replica_mesh_cpu.get_group(dim)
 
     @property
     def sp_rank(self) -> int:
@@ -85,14 +174,18 @@ class ParallelGroups:
         return self.layout.cfg_rank(self.rank)
 
     def prefix_group(self, size: int) -> Any:
-        """The group of this replica's first `size` ranks (device backend), e.g. for a decode that uses fewer ranks
-        than the replica. Ranks outside the prefix get None.
+        """The group of this replica's first `size` ranks (device backend), for a decode that uses fewer ranks than
+        the replica; ranks outside the prefix get None. The whole replica is `replica`; the first CFG half is the
+        ``sp`` dimension. Any other size is no dimension of the mesh (the band count follows the latent height):
+        a `new_group` per replica.
 
         One replica: created on first use (all ranks run the same requests, so they ask for the same sizes in the
         same order). Several: created up front, for every replica (see the module docstring).
         """
         if size == self.layout.replica_size:
             return self.replica
+        if size == self.layout.sp_size:
+            return self.sp if self.cfg_rank == 0 else None
         if size not in self._prefix_groups:
             mine = None
             with collective("creating the decode's process group"):

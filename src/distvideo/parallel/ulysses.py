@@ -160,8 +160,8 @@ class UlyssesPlan:
     """Applies Ulysses sequence parallelism to a WanTransformer3DModel in place (a ModulePlan); `remove()`, the undo
     `apply` returns, undoes it.
 
-    `counts` records the collectives issued ("all_to_all", "all_gather"), so tests can check there are exactly two
-    all-to-alls per self-attention layer.
+    `group` is the ``sp`` dimension of the layout's mesh (ParallelGroups.sp). `counts` records the collectives issued
+    ("all_to_all", "all_gather"), so tests can check there are exactly two all-to-alls per self-attention layer.
     """
 
     component = "transformer"

@@ -123,7 +123,7 @@ class BandedVaeDecoder:
     name = "vae-band-decode"
 
     def __init__(self, group_for: Callable[[int], Any], rank: int, world_size: int, min_rows: int = MIN_BAND_ROWS):
-        self.group_for = group_for  # size -> process group of ranks 0..size-1 (None on ranks outside it)
+        self.group_for = group_for  # size -> group of the replica's ranks 0..size-1, None outside (prefix_group)
         self.rank = rank
         self.world_size = world_size
         self.min_rows = min_rows
