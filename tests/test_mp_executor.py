@@ -25,6 +25,7 @@ import pytest
 
 from distvideo import VideoGenerator
 from distvideo.config import GenerationRequest
+from distvideo.errors import WorkerDiedError
 from distvideo.executors.base import RankFailure
 from distvideo.models.embedded import tiny_model_path
 from distvideo.testing.checkpoints import build_embedded_model
@@ -239,6 +240,24 @@ def test_a_killed_worker_is_reported_and_the_executor_is_dead(model_path: str, t
         gen.generate("a cat", **SMALL)
     assert wait_gone(pids, within=5) == []
     gen.shutdown()
+    gen.shutdown()
+
+
+def test_a_worker_dying_while_idle_is_noticed_without_a_call(model_path: str, caplog: pytest.LogCaptureFixture):
+    """The driver's monitor thread waits on the workers while no call runs: a SIGKILLed worker is logged and the
+    other worker torn down within seconds, with no call made; the next call raises the WorkerDiedError."""
+    gen = VideoGenerator.from_pretrained(model_path, num_gpus=2, executor="mp")
+    pids = gen.collective_rpc(pid_of)
+    with caplog.at_level("ERROR", logger="distvideo.executors.mp"):
+        os.kill(pids[1], signal.SIGKILL)
+        assert wait_gone(pids, within=10) == [], "the other worker is still running: nobody watched the idle workers"
+        with pytest.raises(WorkerDiedError, match=r"rank 1 died \(killed by SIGKILL\)"):
+            gen.check_health()  # reads the state only: no call reached the workers
+    assert any("rank 1 died (killed by SIGKILL)" in r.getMessage() for r in caplog.records)
+    with pytest.raises(WorkerDiedError, match=r"rank 1 died \(killed by SIGKILL\) during between calls; the other"):
+        gen.collective_rpc(rank_of)
+    with pytest.raises(RuntimeError, match="executor is dead"):
+        gen.collective_rpc(rank_of)
     gen.shutdown()
 
 
