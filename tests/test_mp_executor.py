@@ -180,6 +180,32 @@ def test_a_timed_out_call_tears_the_workers_down_instead_of_queueing_the_next(mo
     gen.shutdown()
 
 
+def tensors_of(worker):
+    import torch
+
+    return {
+        "bf16": torch.arange(6, dtype=torch.float32).reshape(2, 3).to(torch.bfloat16) + worker.rank,
+        "scalar": torch.tensor(worker.rank),
+        "array": np.full((300, 300), worker.rank, dtype=np.int16),
+    }
+
+
+def test_arrays_and_tensors_come_back_through_shared_memory_and_one_rank_can_answer_alone(gen: VideoGenerator):
+    import torch
+
+    results = gen.collective_rpc(tensors_of)
+    for rank, result in enumerate(results):
+        assert result["bf16"].dtype == torch.bfloat16 and result["bf16"].shape == (2, 3)
+        assert torch.equal(result["bf16"], torch.arange(6.0).reshape(2, 3).to(torch.bfloat16) + rank)
+        assert result["scalar"].shape == () and int(result["scalar"]) == rank
+        assert result["array"].flags.owndata and np.array_equal(result["array"], np.full((300, 300), rank, np.int16))
+    only = gen.collective_rpc(tensors_of, unique_reply_rank=1)
+    assert int(only["scalar"]) == 1
+    assert gen.collective_rpc(rank_of, unique_reply_rank=0) == 0
+    with pytest.raises(ValueError, match="unique_reply_rank=2 is not a rank"):
+        gen.collective_rpc(rank_of, unique_reply_rank=2)
+
+
 def test_frames_match_inline_and_only_the_output_rank_ships_them(gen: VideoGenerator, model_path: str):
     result = gen.generate("a red fox running through snow", seed=3, **SMALL)
     assert result.frames is not None and result.frames.dtype == np.uint8

@@ -133,7 +133,8 @@ class CallOptions:
 
     - `on_event`: the worker method receives `emit`, a function taking one picklable value; `on_event(value)` is
       called with it in the process that holds that rank's results (the driver on inline and mp, the rank's own
-      process under a launcher), during the call. With `unique_reply_rank=r`, only rank r emits.
+      process under a launcher), during the call. With `unique_reply_rank=r` only rank r's events reach the driver
+      (inline, mp); under a launcher each process gets its own rank's.
     - `stop`: the worker method receives `cancelled`, a function that says whether `stop` was set (the ranks check it
       together between steps, so they stop at the same one).
     - `lockstep`: the ranks run in lockstep (collectives inside the call). Once a rank failed on its own

@@ -76,6 +76,7 @@ logger = logging.getLogger(__name__)
 #: answered STOP_GRACE_FACTOR x self_limit + STOP_GRACE_S after it started is stuck (a long decode, a hung rank).
 STOP_GRACE_FACTOR = 2.0
 STOP_GRACE_S = 30.0
+MONITOR_JOIN_S = 5.0  # shutdown: how long the monitor thread gets to see the workers end and leave
 
 
 # --- the driver ---------------------------------------------------------------------------------
@@ -107,7 +108,8 @@ class MultiprocExecutor(Executor):
             self._stop_workers(graceful=False)
             _LIVE.discard(self)
             raise
-        threading.Thread(target=self._monitor, name="distvideo-mp-monitor", daemon=True).start()
+        self._monitor_thread = threading.Thread(target=self._monitor, name="distvideo-mp-monitor", daemon=True)
+        self._monitor_thread.start()
 
     @property
     def is_output_rank(self) -> bool:
@@ -354,6 +356,9 @@ class MultiprocExecutor(Executor):
         self._closed = True
         self._stop_workers(graceful=self._dead is None)
         _LIVE.discard(self)
+        monitor = getattr(self, "_monitor_thread", None)
+        if monitor is not None and monitor is not threading.current_thread():
+            monitor.join(MONITOR_JOIN_S)  # it wakes as the workers end; a call still in flight ends with them
 
     def _stop_workers(self, graceful: bool) -> None:
         self._workers.stop(graceful)
