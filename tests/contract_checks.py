@@ -45,6 +45,7 @@ def observe(gen, threads_before: set[int]) -> tuple[dict[str, Any], np.ndarray |
     obs: dict[str, Any] = {"world_size": gen.world_size, "is_output_rank": gen.is_output_rank}
     obs["describe"] = gen.collective_rpc(describe)
     obs["ping"] = gen.collective_rpc("ping")
+    obs["last_rank_only"] = gen.collective_rpc("ping", unique_reply_rank=gen.world_size - 1)
     obs["kwargs"] = gen.collective_rpc(lambda w, a, b=0: a + b + w.rank, args=(10,), kwargs={"b": 5})
     try:
         gen.collective_rpc(fail_on_last_rank)

@@ -76,8 +76,10 @@ def test_executor_contract(executor, runs, reference_frames):
     observations, frames = runs(executor)
     assert len(observations) == (world if executor == "external" else 1)
     pids = {d["pid"] for d in observations[0]["describe"]}
-    for obs in observations:
+    for rank, obs in enumerate(observations):
         assert obs["world_size"] == world
+        # unique_reply_rank: that rank's result alone; under a launcher every process returns its own rank's
+        assert obs["last_rank_only"] == (rank if executor == "external" else world - 1)
         assert [d["rank"] for d in obs["describe"]] == list(range(world)), "results in rank order"
         assert obs["ping"] == list(range(world))
         assert obs["kwargs"] == [15 + r for r in range(world)]

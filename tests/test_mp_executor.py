@@ -24,6 +24,7 @@ import psutil
 import pytest
 
 from distvideo import VideoGenerator
+from distvideo.errors import WorkerDiedError
 from distvideo.executors.base import RankFailure
 from distvideo.models.embedded import tiny_model_path
 from distvideo.request import GenerationRequest
@@ -179,6 +180,32 @@ def test_a_timed_out_call_tears_the_workers_down_instead_of_queueing_the_next(mo
     gen.shutdown()
 
 
+def tensors_of(worker):
+    import torch
+
+    return {
+        "bf16": torch.arange(6, dtype=torch.float32).reshape(2, 3).to(torch.bfloat16) + worker.rank,
+        "scalar": torch.tensor(worker.rank),
+        "array": np.full((300, 300), worker.rank, dtype=np.int16),
+    }
+
+
+def test_arrays_and_tensors_come_back_through_shared_memory_and_one_rank_can_answer_alone(gen: VideoGenerator):
+    import torch
+
+    results = gen.collective_rpc(tensors_of)
+    for rank, result in enumerate(results):
+        assert result["bf16"].dtype == torch.bfloat16 and result["bf16"].shape == (2, 3)
+        assert torch.equal(result["bf16"], torch.arange(6.0).reshape(2, 3).to(torch.bfloat16) + rank)
+        assert result["scalar"].shape == () and int(result["scalar"]) == rank
+        assert result["array"].flags.owndata and np.array_equal(result["array"], np.full((300, 300), rank, np.int16))
+    only = gen.collective_rpc(tensors_of, unique_reply_rank=1)
+    assert int(only["scalar"]) == 1
+    assert gen.collective_rpc(rank_of, unique_reply_rank=0) == 0
+    with pytest.raises(ValueError, match="unique_reply_rank=2 is not a rank"):
+        gen.collective_rpc(rank_of, unique_reply_rank=2)
+
+
 def test_frames_match_inline_and_only_the_output_rank_ships_them(gen: VideoGenerator, model_path: str):
     result = gen.generate("a red fox running through snow", seed=3, **SMALL)
     assert result.frames is not None and result.frames.dtype == np.uint8
@@ -239,6 +266,24 @@ def test_a_killed_worker_is_reported_and_the_executor_is_dead(model_path: str, t
         gen.generate("a cat", **SMALL)
     assert wait_gone(pids, within=5) == []
     gen.shutdown()
+    gen.shutdown()
+
+
+def test_a_worker_dying_while_idle_is_noticed_without_a_call(model_path: str, caplog: pytest.LogCaptureFixture):
+    """The driver's monitor thread waits on the workers while no call runs: a SIGKILLed worker is logged and the
+    other worker torn down within seconds, with no call made; the next call raises the WorkerDiedError."""
+    gen = VideoGenerator.from_pretrained(model_path, num_gpus=2, executor="mp")
+    pids = gen.collective_rpc(pid_of)
+    with caplog.at_level("ERROR", logger="distvideo.executors.mp"):
+        os.kill(pids[1], signal.SIGKILL)
+        assert wait_gone(pids, within=10) == [], "the other worker is still running: nobody watched the idle workers"
+        with pytest.raises(WorkerDiedError, match=r"rank 1 died \(killed by SIGKILL\)"):
+            gen.check_health()  # reads the state only: no call reached the workers
+    assert any("rank 1 died (killed by SIGKILL)" in r.getMessage() for r in caplog.records)
+    with pytest.raises(WorkerDiedError, match=r"rank 1 died \(killed by SIGKILL\) during between calls; the other"):
+        gen.collective_rpc(rank_of)
+    with pytest.raises(RuntimeError, match="executor is dead"):
+        gen.collective_rpc(rank_of)
     gen.shutdown()
 
 

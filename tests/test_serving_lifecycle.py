@@ -202,6 +202,37 @@ def test_health_from_loading_to_unhealthy_when_an_mp_worker_dies(tmp_path, monke
         front.close()
 
 
+@pytest.mark.slow
+def test_health_turns_unhealthy_when_an_idle_mp_worker_dies(tmp_path):
+    """No job runs when the worker dies: /health says so within seconds (the mp executor's monitor thread saw it) and
+    the engine loop returns 1, without waiting for a job to find the dead worker."""
+    engine = resolve_engine(EngineConfig(executor="mp", num_gpus=2))
+    options = ServeOptions(port=0, output=str(tmp_path))
+    front = Frontend(engine, options, {})
+    front.start_http(engine, options)
+    assert front.http is not None
+    gen = VideoGenerator.from_engine(engine)
+    try:
+        loop = front.loop = EngineLoop(gen, front.service, front.store, Adapters(gen, [], {}))
+        front.service.set_ready()
+        codes: list[int] = []
+        thread = threading.Thread(target=lambda: codes.append(loop.run()), daemon=True)
+        thread.start()
+        with httpx.Client(base_url=front.http.url, timeout=60) as client:
+            assert client.get("/health").json()["status"] == "ok"
+            workers = [p for p in psutil.Process().children() if "spawn" in " ".join(p.cmdline())]
+            workers[-1].kill()
+            thread.join(timeout=15)
+            assert codes == [1], "the engine loop still waits for a job with a dead worker"
+            health = client.get("/health")
+            assert health.status_code == 503 and health.json()["status"] == "unhealthy"
+            assert "WorkerDiedError" in health.json()["detail"] and "between calls" in health.json()["detail"]
+    finally:
+        front.service.close("stopping", "the test ended")
+        gen.shutdown()
+        front.close()
+
+
 @pytest.mark.launcher
 @pytest.mark.slow
 @pytest.mark.parametrize(

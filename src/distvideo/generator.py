@@ -19,6 +19,7 @@ from distvideo.config import EngineConfig, LoraSpec
 from distvideo.engine import ResolvedEngine
 from distvideo.errors import ConfigError, RankFailure, VideoWriteError
 from distvideo.executors import Executor, create_executor, resolve_engine
+from distvideo.executors.base import SHUT_DOWN
 from distvideo.logging_utils import configure_logging
 from distvideo.media import check_video_output, write_array, write_video
 from distvideo.models.registry import ModelInfo
@@ -118,7 +119,7 @@ class VideoGenerator:
     @property
     def executor(self) -> Executor:
         if self._executor is None:
-            raise RuntimeError("this VideoGenerator is shut down; create a new one with from_pretrained()")
+            raise RuntimeError(SHUT_DOWN)
         return self._executor
 
     @property
@@ -268,8 +269,18 @@ class VideoGenerator:
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
         timeout: float | None = None,
-    ) -> list[Any]:
-        return self.executor.collective_rpc(method, args=args, kwargs=kwargs, timeout=timeout)
+        unique_reply_rank: int | None = None,
+    ) -> Any:
+        """Run `method` (a worker method's name, or a callable `fn(worker, *args, **kwargs)`) on every rank; every
+        rank's result in rank order, or with `unique_reply_rank=r` rank r's result alone (under a launcher: this
+        process's own rank's)."""
+        return self.executor.collective_rpc(
+            method, args=args, kwargs=kwargs, timeout=timeout, unique_reply_rank=unique_reply_rank
+        )
+
+    def check_health(self) -> None:
+        """Raise if the ranks can no longer run requests (mp: a worker died, also while idle), without a call."""
+        self.executor.check_health()
 
     # -- LoRA (distvideo.lora; docs/lora.md) ----------------------------------------------------
     def set_lora_adapter(

@@ -50,7 +50,10 @@ class GeneratorHandle(EngineHandle, Protocol):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
         timeout: float | None = None,
-    ) -> list[Any]: ...
+        unique_reply_rank: int | None = None,
+    ) -> Any: ...
+
+    def check_health(self) -> None: ...
 
     def set_lora_adapter(
         self,

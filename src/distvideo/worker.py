@@ -241,13 +241,15 @@ class Worker:
         self,
         request: GenerationRequest,
         *,
-        on_progress: Callable[[int, int], None] | None = None,
+        emit: Callable[[tuple[int, int]], None] | None = None,
         cancelled: Callable[[], bool] | None = None,
     ) -> WorkerOutput:
-        """Run one request. Between denoising steps `on_progress(done, total)` is called and the request stops on
-        every rank alike when it passed its request_timeout or `cancelled()` says so on any rank."""
+        """Run one request. After every denoising step `emit((done, total))` is called (the executor's event of the
+        step), and the request stops on every rank alike when it passed its request_timeout or `cancelled()` says
+        so on any rank."""
         if self.replica != 0:  # a single request runs on the first replica; batches give every replica its share
             return WorkerOutput(rank=self.rank, frames=None)
+        on_progress = None if emit is None else lambda done, total: emit((done, total))
         return self._forward(request, on_progress=on_progress, cancelled=cancelled)
 
     def _forward(
@@ -283,11 +285,12 @@ class Worker:
     def execute_batch(
         self,
         shares: list[list[tuple[int, GenerationRequest]]],
-        report: Callable[[ItemOutcome], None],
+        *,
+        emit: Callable[[ItemOutcome], None] | None = None,
         cancelled: Callable[[], bool] | None = None,
     ) -> int:
-        """Run this rank's replica's share of a batch, in order; its output rank calls `report` after every item.
-        Returns how many items this replica ran."""
+        """Run this rank's replica's share of a batch, in order; its output rank emits each item's ItemOutcome (the
+        executor's event of the item) after it. Returns how many items this replica ran."""
         share = shares[self.replica] if self.replica < len(shares) else []
         for index, request in share:
             try:
@@ -295,8 +298,8 @@ class Worker:
                 outcome = ItemOutcome(index=index, replica=self.replica, output=output)
             except ITEM_FAILURES as exc:
                 outcome = ItemOutcome(index, self.replica, error_type=type(exc).__name__, error=str(exc))
-            if self.is_output_rank:
-                report(outcome)
+            if self.is_output_rank and emit is not None:
+                emit(outcome)
         return len(share)
 
     def _refuse_if_it_cannot_fit(self, request: GenerationRequest) -> None:

@@ -1,8 +1,13 @@
-"""The executor contract: `collective_rpc` reaches every rank and returns results in rank order.
+"""The executor contract: one primitive, `collective_rpc`, reaches every rank and returns results in rank order.
 
-Everything else (generation, LoRA, health checks) is expressed through it. A failure on any rank
-is data, not a signal: each rank reports a status, and the caller raises one RuntimeError naming
-every failed rank, in the same words on every executor.
+An executor implements only how its ranks start, `collective_rpc` and `shutdown`. Everything else is written once,
+here, on top of it: generation (`execute_forward`), batches (`execute_batch`), cancellation (`cancel`) and the health
+check; LoRA (lora/control.py) calls `collective_rpc` itself. What those need of a call beyond reaching every rank
+(events while it runs, being stopped from another thread, lockstep failure handling, a call that limits itself in
+time) are the `CallOptions` of the primitive, so no executor has an operation of its own for them.
+
+A failure on any rank is data, not a signal: each rank reports a status, and the caller raises one RuntimeError
+naming every failed rank, in the same words on every executor.
 """
 
 from __future__ import annotations
@@ -21,6 +26,13 @@ from distvideo.request import GenerationRequest
 
 if TYPE_CHECKING:
     from distvideo.outputs import ItemOutcome, WorkerOutput
+
+#: what every call on a shut-down executor or generator raises (as a RuntimeError)
+SHUT_DOWN = "this VideoGenerator is shut down; create a new one with VideoGenerator.from_pretrained()"
+#: a lockstep call failed on some rank while others are still inside it: how long they get to answer before they are
+#: taken to be blocked in a collective the failed rank will never join (mp tears its workers down; under a launcher the
+#: failed rank leaves the process group, which fails their collectives at once)
+SETTLE_S = 5.0
 
 
 @dataclass
@@ -58,6 +70,9 @@ _STOPS: dict[str, type[GenerationCancelled]] = {
     "GenerationTimeout": GenerationTimeout,
     "GenerationCancelled": GenerationCancelled,
 }
+#: failures the ranks of a lockstep call decide together (a stop at a step, a refusal all ranks agreed on): nobody is
+#: left waiting for the failed rank, so there is nothing to settle
+_TOGETHER = {*_STOPS, "ConfigError"}
 
 
 def collective_error(method: str | Callable[..., Any], statuses: Sequence[RankStatus]) -> RuntimeError | None:
@@ -78,34 +93,92 @@ def collective_error(method: str | Callable[..., Any], statuses: Sequence[RankSt
     return RankFailure("\n".join(lines), {s.rank: (s.error_type, s.error_message) for s in failed})
 
 
-class RequestIds:
-    """Which request is running in this process, so that `cancel()` stops that one and never the next: each request
-    gets a number, and its `cancelled()` test compares it with the number `cancel()` recorded."""
+def must_settle(status: RankStatus) -> bool:
+    """Whether a rank's answer to a lockstep call may leave the other ranks waiting for it (the settling rule)."""
+    return not status.ok and status.error_type not in _TOGETHER
+
+
+class StopToken:
+    """Set by `Executor.cancel()` while its call runs. The ranks read it between denoising steps through the
+    `cancelled` function the worker method receives; an executor whose ranks live elsewhere (mp) forwards the set to
+    them with `on_set`."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._next = 0
-        self._running: int | None = None
-        self._cancelled: int | None = None
+        self._set = False
+        self._listeners: list[Callable[[], None]] = []
 
-    @contextlib.contextmanager
-    def running(self) -> Iterator[Callable[[], bool]]:
+    def set(self) -> None:
         with self._lock:
-            self._next += 1
-            current = self._running = self._next
-        try:
-            yield lambda: self._cancelled == current
-        finally:
-            with self._lock:
-                self._running = None
+            self._set = True
+            listeners, self._listeners = self._listeners, []
+        for listener in listeners:
+            listener()
 
-    def cancel(self) -> None:
+    def is_set(self) -> bool:
+        return self._set
+
+    def on_set(self, listener: Callable[[], None]) -> None:
+        """Call `listener` once the token is set (at once if it is already)."""
         with self._lock:
-            self._cancelled = self._running
+            if not self._set:
+                self._listeners.append(listener)
+                return
+        listener()
 
-    @property
-    def current(self) -> int | None:
-        return self._running
+
+@dataclass(frozen=True)
+class CallOptions:
+    """What a call may ask of `collective_rpc` beyond reaching every rank; every option is off by default.
+
+    - `on_event`: the worker method receives `emit`, a function taking one picklable value; `on_event(value)` is
+      called with it in the process that holds that rank's results (the driver on inline and mp, the rank's own
+      process under a launcher), during the call. With `unique_reply_rank=r` only rank r's events reach the driver
+      (inline, mp); under a launcher each process gets its own rank's.
+    - `stop`: the worker method receives `cancelled`, a function that says whether `stop` was set (the ranks check it
+      together between steps, so they stop at the same one).
+    - `lockstep`: the ranks run in lockstep (collectives inside the call). Once a rank failed on its own
+      (`must_settle`), the others get SETTLE_S to answer; still inside, they are blocked waiting for it, and the
+      executor releases them (mp: tears the workers down; under a launcher the failed rank leaves the group).
+    - `self_limit`: seconds after which the call's ranks stop by themselves (a request's request_timeout). An
+      executor that can watch its ranks (mp) takes a call still unanswered long past it as stuck, like a timeout.
+    - `label`: how heartbeats and broken-group reports name the call (default ``collective_rpc('<method>')``).
+    """
+
+    on_event: Callable[[Any], None] | None = None
+    stop: StopToken | None = None
+    lockstep: bool = False
+    self_limit: float | None = None
+    label: str | None = None
+
+
+PLAIN = CallOptions()
+
+
+def call_hooks(
+    kwargs: dict[str, Any] | None, emit: Callable[[Any], None] | None, cancelled: Callable[[], bool] | None
+) -> dict[str, Any]:
+    """The keyword arguments a worker method gets: the caller's, plus `emit` and `cancelled` when the call has them."""
+    out = dict(kwargs or {})
+    if emit is not None:
+        out["emit"] = emit
+    if cancelled is not None:
+        out["cancelled"] = cancelled
+    return out
+
+
+def local_hooks(kwargs: dict[str, Any] | None, options: CallOptions) -> dict[str, Any]:
+    """`call_hooks` for a rank that runs in the caller's process (inline, external)."""
+    stop = options.stop
+    return call_hooks(kwargs, options.on_event, stop.is_set if stop is not None else None)
+
+
+def check_reply_rank(world_size: int, unique_reply_rank: int | None) -> None:
+    if unique_reply_rank is not None and not 0 <= unique_reply_rank < world_size:
+        raise ValueError(
+            f"collective_rpc: unique_reply_rank={unique_reply_rank} is not a rank of this executor "
+            f"(ranks 0..{world_size - 1}), or None for every rank's result"
+        )
 
 
 def run_guarded(rank: int, fn: Callable[[], Any]) -> RankStatus:
@@ -116,10 +189,15 @@ def run_guarded(rank: int, fn: Callable[[], Any]) -> RankStatus:
 
 
 class Executor(abc.ABC):
-    """How ranks exist and how a call reaches all of them."""
+    """How ranks exist and how a call reaches all of them. A subclass starts its ranks in `__init__` (calling
+    `super().__init__()` first) and implements `collective_rpc` and `shutdown`; the rest is written here."""
 
     world_size: int = 1
     output_rank: int = 0
+
+    def __init__(self) -> None:
+        self._stop_lock = threading.Lock()
+        self._running_stop: StopToken | None = None
 
     @property
     @abc.abstractmethod
@@ -133,34 +211,85 @@ class Executor(abc.ABC):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
         timeout: float | None = None,
-    ) -> list[Any]:
-        """Run `method` on every rank's worker; results in rank order; one RankFailure if any rank failed."""
+        unique_reply_rank: int | None = None,
+        *,
+        options: CallOptions = PLAIN,
+    ) -> Any:
+        """Run `method` on every rank's worker; one RankFailure if any rank failed. Returns every rank's result in
+        rank order, or with `unique_reply_rank=r` rank r's result alone (the other ranks' results are not sent; under
+        a launcher, where every process is one rank, each process returns its own rank's result)."""
 
     @abc.abstractmethod
-    def execute_forward(
-        self, request: GenerationRequest, on_progress: Callable[[int, int], None] | None = None
-    ) -> WorkerOutput:
-        """Run one request on every rank; return the output rank's WorkerOutput (others: their own).
-        `on_progress(done, total)` is called in this process after every denoising step."""
-
-    @abc.abstractmethod
-    def execute_batch(
-        self, shares: list[list[tuple[int, GenerationRequest]]], on_item: Callable[[ItemOutcome], None]
-    ) -> None:
-        """Every replica runs its share (replica k: `shares[k]`, (index, request) pairs, in order); replicas do not
-        wait on each other until the end. `on_item(ItemOutcome)` is called after every item, in the process that holds
-        its frames: this one (inline, mp), or the replica's output rank (under a launcher)."""
-
-    @abc.abstractmethod
-    def cancel(self) -> None:
-        """Stop the running request (if any) at its next denoising step on every rank: it raises
-        GenerationCancelled and the executor stays usable. Safe to call from any thread; a no-op between requests."""
+    def shutdown(self) -> None:
+        """Stop every rank; idempotent."""
 
     def ensure_consistent(self, what: str, fields: dict[str, Any]) -> None:
         """Refuse a call whose arguments differ between ranks. One driver sends the same call to every
         rank on inline and mp, so only external launchers (every process calls by itself) can diverge."""
         return None
 
-    @abc.abstractmethod
-    def shutdown(self) -> None:
-        """Stop every rank; idempotent."""
+    def check_health(self) -> None:
+        """Raise the error the next call would raise if the ranks can no longer run calls, without making a call
+        (mp: a worker that died while the executor was idle). Cheap; safe from any thread."""
+        return None
+
+    # -- written once, on top of collective_rpc -------------------------------------------------------------------
+    def execute_forward(
+        self, request: GenerationRequest, on_progress: Callable[[int, int], None] | None = None
+    ) -> WorkerOutput:
+        """Run one request on every rank; return the output rank's WorkerOutput (under a launcher each rank its own,
+        without frames off the output rank). `on_progress(done, total)` is called in this process after every
+        denoising step (the output rank's steps; under a launcher this rank's)."""
+        on_event = None if on_progress is None else _progress_events(on_progress)
+        with self._stoppable() as stop:
+            options = CallOptions(
+                on_event=on_event,
+                stop=stop,
+                lockstep=True,
+                self_limit=request.request_timeout,
+                label="execute_forward",
+            )
+            output: WorkerOutput = self.collective_rpc(
+                "execute_forward", args=(request,), unique_reply_rank=self.output_rank, options=options
+            )
+        return output
+
+    def execute_batch(
+        self, shares: list[list[tuple[int, GenerationRequest]]], on_item: Callable[[ItemOutcome], None]
+    ) -> None:
+        """Every replica runs its share (replica k: `shares[k]`, (index, request) pairs, in order); replicas do not
+        wait on each other until the end. `on_item(ItemOutcome)` is called after every item, in the process that holds
+        its frames: this one (inline, mp), or the replica's output rank (under a launcher)."""
+        with self._stoppable() as stop:
+            options = CallOptions(on_event=on_item, stop=stop, lockstep=True, label="execute_batch")
+            self.collective_rpc("execute_batch", args=(shares,), options=options)
+
+    def cancel(self) -> None:
+        """Stop the running request (if any) at its next denoising step on every rank: it raises
+        GenerationCancelled and the executor stays usable. Safe to call from any thread; a no-op between requests."""
+        with self._stop_lock:
+            stop = self._running_stop
+        if stop is not None:
+            stop.set()
+
+    @contextlib.contextmanager
+    def _stoppable(self) -> Iterator[StopToken]:
+        """A fresh token for the request about to run: `cancel()` stops that one and never the next."""
+        stop = StopToken()
+        with self._stop_lock:
+            self._running_stop = stop
+        try:
+            yield stop
+        finally:
+            with self._stop_lock:
+                self._running_stop = None
+
+
+def _progress_events(on_progress: Callable[[int, int], None]) -> Callable[[Any], None]:
+    """The event sink of a forward: the worker emits (done, total) after every denoising step."""
+
+    def on_event(note: Any) -> None:
+        done, total = note
+        on_progress(done, total)
+
+    return on_event

@@ -10,6 +10,13 @@ process group unusable, so no further collective is attempted on it. The executo
 ranks still have a heartbeat (executors/heartbeat.py), raises one ProcessGroupBrokenError naming the lost or stuck
 ranks, releases the group without waiting on anyone, and raises that error again on every later call: the job must
 be restarted.
+
+The call options (executors/base.py) are local here: events reach this process's `on_event` from its own rank, and
+`cancelled` reads the stop token of this process (`cancel()` on any rank stops every rank at the same step, since the
+ranks decide together between steps). With `unique_reply_rank=r` only statuses travel and every process returns its
+own rank's result: results that are not JSON (a forward's frames) stay where they are, the frames on the output
+rank. A lockstep call that failed on this rank alone settles (SETTLE_S) before the exchange. `timeout` is refused and
+`self_limit` not enforced: dist_timeout and the launcher's kill-on-failure bound a stuck call.
 """
 
 from __future__ import annotations
@@ -30,11 +37,23 @@ from distvideo import envs
 from distvideo.config import EngineConfig
 from distvideo.engine import ResolvedEngine
 from distvideo.errors import CollectiveError, ConfigError, DivergentCallError, ProcessGroupBrokenError
-from distvideo.executors.base import Executor, RankStatus, RequestIds, collective_error, method_name, run_guarded
+from distvideo.executors.base import (
+    PLAIN,
+    SETTLE_S,
+    SHUT_DOWN,
+    CallOptions,
+    Executor,
+    RankStatus,
+    check_reply_rank,
+    collective_error,
+    local_hooks,
+    method_name,
+    must_settle,
+    run_guarded,
+)
 from distvideo.executors.heartbeat import Heartbeat, Pulse, diagnose, first_line, ranks_text
 from distvideo.launch import torch_env_for
 from distvideo.logging_utils import set_log_rank
-from distvideo.outputs import ItemOutcome, WorkerOutput
 from distvideo.parallel.collectives import collective
 from distvideo.request import GenerationRequest
 from distvideo.worker import RankInfo, Worker
@@ -43,20 +62,18 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-SETTLE_S = 5.0  # after execute_forward failed on this rank only: how long the others get to finish the call
-
 
 class ExternalExecutor(Executor):
     def __init__(self, engine: ResolvedEngine):
         env = engine.launch
         if env is None:
             raise ConfigError("the external executor needs the launcher's environment (resolve_engine gives it)")
+        super().__init__()
         self.launch_env = env
         self.config = engine.config
         self.world_size = env.world_size
         self.rank = env.rank
         self._call = 0  # calls made so far; every rank makes the same calls, so the numbers agree across ranks
-        self._requests = RequestIds()
         self._broken: ProcessGroupBrokenError | None = None
         self._heartbeat: Heartbeat | None = None
         set_log_rank(env.rank)
@@ -89,7 +106,7 @@ class ExternalExecutor(Executor):
         if self._broken is not None:
             raise ProcessGroupBrokenError(str(self._broken))
         if self.worker is None:
-            raise RuntimeError("the executor is shut down; create a new VideoGenerator")
+            raise RuntimeError(SHUT_DOWN)
         return self.worker
 
     # -- calls -----------------------------------------------------------------------------------
@@ -99,7 +116,10 @@ class ExternalExecutor(Executor):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
         timeout: float | None = None,
-    ) -> list[Any]:
+        unique_reply_rank: int | None = None,
+        *,
+        options: CallOptions = PLAIN,
+    ) -> Any:
         if timeout is not None:
             raise NotImplementedError(
                 "collective_rpc(timeout=...) is not available under an external launcher: every rank runs the "
@@ -107,43 +127,16 @@ class ExternalExecutor(Executor):
                 "kill-on-failure option (torchrun does it by default, srun -K / --kill-on-bad-exit, mpirun by "
                 "default) to bound a stuck call."
             )
+        check_reply_rank(self.world_size, unique_reply_rank)
         worker = self._live_worker()
-        what = f"collective_rpc({method_name(method)!r})"
-        status = self._run_local(what, lambda: worker.execute_method(method, *args, **(kwargs or {})))
-        statuses = self._exchange(what, method, status)
+        what = options.label or f"collective_rpc({method_name(method)!r})"
+        call_kwargs = local_hooks(kwargs, options)
+        status = self._run_local(what, lambda: worker.execute_method(method, *args, **call_kwargs))
+        if unique_reply_rank is not None:  # only statuses travel: every process keeps its own rank's result
+            self._exchange(what, method, dataclasses.replace(status, result=None), settle=options.lockstep)
+            return status.result
+        statuses = self._exchange(what, method, status, settle=options.lockstep)
         return [s.result for s in statuses]
-
-    def execute_forward(
-        self, request: GenerationRequest, on_progress: Callable[[int, int], None] | None = None
-    ) -> WorkerOutput:
-        """Like collective_rpc, but only statuses travel: frames stay on the output rank. `on_progress` is called on
-        this rank; `cancel()` on any rank stops every rank at the same step."""
-        worker = self._live_worker()
-        with self._requests.running() as cancelled:
-            status = self._run_local(
-                "execute_forward",
-                lambda: worker.execute_method("execute_forward", request, on_progress=on_progress, cancelled=cancelled),
-            )
-        local: WorkerOutput = status.result
-        # a request stopped on purpose stopped on every rank at the same step (StepControl): nothing to settle
-        settle = status.error_type not in ("GenerationCancelled", "GenerationTimeout", "ConfigError")
-        self._exchange("execute_forward", "execute_forward", dataclasses.replace(status, result=None), settle=settle)
-        return local
-
-    def execute_batch(
-        self, shares: list[list[tuple[int, GenerationRequest]]], on_item: Callable[[ItemOutcome], None]
-    ) -> None:
-        """This rank runs its replica's share; the ranks exchange statuses once, at the end."""
-        worker = self._live_worker()
-        with self._requests.running() as cancelled:
-            status = self._run_local(
-                "execute_batch",
-                lambda: worker.execute_method("execute_batch", shares, on_item, cancelled=cancelled),
-            )
-        self._exchange("execute_batch", "execute_batch", status, settle=True)
-
-    def cancel(self) -> None:
-        self._requests.cancel()
 
     def ensure_consistent(self, what: str, fields: dict[str, Any]) -> None:
         self._live_worker()
@@ -186,10 +179,10 @@ class ExternalExecutor(Executor):
     ) -> list[RankStatus]:
         """All-gather every rank's status; one RankFailure on every rank if any failed.
 
-        `settle` (execute_forward): when this rank failed on its own, the others may be inside the call waiting in a
-        collective for this rank, and would not reach the exchange before dist_timeout. If some are still inside after
-        SETTLE_S, this rank leaves the group (which fails their collectives at once) and raises instead."""
-        if not status.ok and settle and self.world_size > 1:
+        `settle` (a lockstep call): when this rank failed on its own (`must_settle`), the others may be inside the call
+        waiting in a collective for this rank, and would not reach the exchange before dist_timeout. If some are still
+        inside after SETTLE_S, this rank leaves the group (which fails their collectives at once) and raises instead."""
+        if settle and must_settle(status) and self.world_size > 1:
             self._publish("failed", what, f"{status.error_type}: {first_line(status.error_message)}")
             inside = self._ranks_still_inside(min(SETTLE_S, self.config.dist_timeout or SETTLE_S))
             if inside:

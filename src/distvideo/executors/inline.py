@@ -1,4 +1,8 @@
-"""The inline executor: one rank, in this process."""
+"""The inline executor: one rank, in this process; `collective_rpc` is a guarded call of the worker.
+
+Events are delivered as the worker emits them and `cancelled` reads the call's stop token directly (the rank is in
+this process). `timeout` and `self_limit` are not enforced: nothing else could run the rank while the call is stuck.
+"""
 
 from __future__ import annotations
 
@@ -6,16 +10,23 @@ from collections.abc import Callable
 from typing import Any
 
 from distvideo.engine import ResolvedEngine
-from distvideo.executors.base import Executor, RequestIds, collective_error, run_guarded
-from distvideo.outputs import ItemOutcome, WorkerOutput
-from distvideo.request import GenerationRequest
+from distvideo.executors.base import (
+    PLAIN,
+    SHUT_DOWN,
+    CallOptions,
+    Executor,
+    check_reply_rank,
+    collective_error,
+    local_hooks,
+    run_guarded,
+)
 from distvideo.worker import RankInfo, Worker
 
 
 class InlineExecutor(Executor):
     def __init__(self, engine: ResolvedEngine):
+        super().__init__()
         self.world_size = 1
-        self._requests = RequestIds()
         self.worker: Worker | None = Worker(engine, RankInfo.single())
         try:
             self.worker.init_device()
@@ -35,34 +46,19 @@ class InlineExecutor(Executor):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
         timeout: float | None = None,
-    ) -> list[Any]:
+        unique_reply_rank: int | None = None,
+        *,
+        options: CallOptions = PLAIN,
+    ) -> Any:
+        check_reply_rank(self.world_size, unique_reply_rank)
         if self.worker is None:
-            raise RuntimeError("the executor is shut down; create a new VideoGenerator")
-        worker = self.worker
-        status = run_guarded(0, lambda: worker.execute_method(method, *args, **(kwargs or {})))
+            raise RuntimeError(SHUT_DOWN)
+        worker, call_kwargs = self.worker, local_hooks(kwargs, options)
+        status = run_guarded(0, lambda: worker.execute_method(method, *args, **call_kwargs))
         error = collective_error(method, [status])
         if error is not None:
             raise error from status.exception
-        return [status.result]
-
-    def execute_forward(
-        self, request: GenerationRequest, on_progress: Callable[[int, int], None] | None = None
-    ) -> WorkerOutput:
-        with self._requests.running() as cancelled:
-            results = self.collective_rpc(
-                "execute_forward", args=(request,), kwargs={"on_progress": on_progress, "cancelled": cancelled}
-            )
-        output: WorkerOutput = results[0]
-        return output
-
-    def execute_batch(
-        self, shares: list[list[tuple[int, GenerationRequest]]], on_item: Callable[[ItemOutcome], None]
-    ) -> None:
-        with self._requests.running() as cancelled:
-            self.collective_rpc("execute_batch", args=(shares, on_item), kwargs={"cancelled": cancelled})
-
-    def cancel(self) -> None:
-        self._requests.cancel()
+        return [status.result] if unique_reply_rank is None else status.result
 
     def shutdown(self) -> None:
         if self.worker is not None:

@@ -1,10 +1,17 @@
 """The mp executor: distvideo spawns one worker process per rank on this machine and drives them.
 
 Control plane: one duplex pipe per worker (the message format is in mp_wire.py, the worker's loop in
-mp_worker.py). A call is pickled once and written to every pipe with a call id; each rank answers with a
-`RankStatus`. Payloads over 64 KiB travel through one shared-memory segment read by every rank, so a write to a pipe
-never waits on a busy worker. The driver waits on the pipes *and* the process sentinels, so a dead worker is noticed
-at once, also in the middle of a call. The output rank hands frames back through shared memory.
+mp_worker.py). A call (one op for every call, `OP_CALL`) is pickled once and written to every pipe with a call id;
+each rank answers with a `RankStatus`. Payloads over 64 KiB travel through one shared-memory segment read by every
+rank, so a write to a pipe never waits on a busy worker. The driver waits on the pipes *and* the process sentinels, so
+a dead worker is noticed at once, also in the middle of a call; between calls a monitor thread waits on the sentinels,
+so a worker that dies while the executor is idle is logged at once and the others are torn down then (the next call
+raises the WorkerDiedError). Arrays and tensors in answers and events come back through shared memory.
+
+The call options (executors/base.py): events travel as notes before the answer; `stop` is forwarded to the workers
+through the control block (a shared word they read between steps); `lockstep` settles for SETTLE_S after a rank failed
+alone, then tears down; `self_limit` makes a call unanswered STOP_GRACE_FACTOR x self_limit + STOP_GRACE_S after it
+began stuck, handled as a timeout. With `unique_reply_rank=r` only rank r emits and sends its result.
 
 The ranks meet privately: their rendezvous is a file store in a directory only this user can open (no TCP store),
 and gloo binds to the loopback interface.
@@ -18,7 +25,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import dataclasses
 import logging
 import math
 import pickle
@@ -26,52 +32,52 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from multiprocessing.connection import wait
 from multiprocessing.shared_memory import SharedMemory
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
 import cloudpickle
 
 from distvideo.engine import ResolvedEngine
 from distvideo.errors import RankFailure, WorkerDiedError
-from distvideo.executors.base import Executor, RankStatus, collective_error, method_name
+from distvideo.executors.base import (
+    PLAIN,
+    SETTLE_S,
+    SHUT_DOWN,
+    CallOptions,
+    Executor,
+    RankStatus,
+    check_reply_rank,
+    collective_error,
+    method_name,
+    must_settle,
+)
 from distvideo.executors.mp_procs import WorkerProcesses
 from distvideo.executors.mp_wire import (
     HEADER,
     IN_SHM,
     INLINE_PAYLOAD_MAX,
-    OP_BATCH,
     OP_CALL,
-    OP_FORWARD,
     STARTUP_ID,
-    ItemNote,
-    ProgressNote,
+    WAIT_SLICE_S,
+    Note,
+    WireCall,
     describe_exit,
-    discard,
     dumps,
     exit_hint,
+    loads_shared,
     remote_traceback,
     segment_buffer,
-    take_frames,
 )
 from distvideo.request import GenerationRequest
 
-if TYPE_CHECKING:
-    from distvideo.executors.mp_wire import SharedFrames
-    from distvideo.outputs import ItemOutcome, WorkerOutput
-
 logger = logging.getLogger(__name__)
 
-#: execute_forward failed on some rank while others are still inside it: how long they get to answer before the
-#: driver concludes they are blocked in a collective the failed rank will never join (as SETTLE_S of external.py)
-FORWARD_FAILURE_SETTLE_S = 5.0
-#: The longest the driver blocks in one wait. A Ctrl-C that the kernel delivers to another thread of the driver
-#: (torch's OpenMP threads, for one) does not interrupt the main thread's poll; waking at least this often lets the
-#: main thread run the pending handler and raise KeyboardInterrupt.
-WAIT_SLICE_S = 0.5
-#: A request past its request_timeout stops at the next denoising step by itself; a forward that has not answered
-#: STOP_GRACE_FACTOR x request_timeout + STOP_GRACE_S after it started is stuck (a long decode, a hung rank).
+#: A call with a self_limit (a request's request_timeout) stops at its next step past it by itself; one that has not
+#: answered STOP_GRACE_FACTOR x self_limit + STOP_GRACE_S after it started is stuck (a long decode, a hung rank).
 STOP_GRACE_FACTOR = 2.0
 STOP_GRACE_S = 30.0
+MONITOR_JOIN_S = 5.0  # shutdown: how long the monitor thread gets to see the workers end and leave
 
 
 # --- the driver ---------------------------------------------------------------------------------
@@ -81,16 +87,17 @@ class MultiprocExecutor(Executor):
     """`num_gpus` spawned worker processes, one rank each; this process (the driver) holds the output."""
 
     def __init__(self, engine: ResolvedEngine):
+        super().__init__()
         self.engine = engine
         self.world_size = n = engine.world_size
         self._workers = WorkerProcesses(engine)
         self._procs, self._conns = self._workers.procs, self._workers.conns  # filled as the workers start
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # held by a call, and by the monitor while it handles a death
         self._next_id = STARTUP_ID
         self._answered = [STARTUP_ID] * n  # per rank, the last call id it answered (calls run in order)
         self._segments: dict[int, SharedMemory] = {}  # call id -> payload segment not yet read by every rank
         self._dead: str | None = None  # why the workers are gone, once they are
-        self._forward_id: int | None = None  # the execute_forward call running now (what cancel() stops)
+        self._died_idle: WorkerDiedError | None = None  # a death the monitor saw: what the next call raises
         self._closed = False
         _LIVE.add(self)
         try:
@@ -102,6 +109,8 @@ class MultiprocExecutor(Executor):
             self._stop_workers(graceful=False)
             _LIVE.discard(self)
             raise
+        self._monitor_thread = threading.Thread(target=self._monitor, name="distvideo-mp-monitor", daemon=True)
+        self._monitor_thread.start()
 
     @property
     def is_output_rank(self) -> bool:
@@ -114,99 +123,94 @@ class MultiprocExecutor(Executor):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
         timeout: float | None = None,
-    ) -> list[Any]:
-        message = (method, tuple(args), dict(kwargs or {}))
-        payload = cloudpickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL) if callable(method) else dumps(message)
-        statuses = self._call(OP_CALL, payload, method, timeout)
-        return [s.result for s in statuses]
-
-    def execute_forward(
-        self, request: GenerationRequest, on_progress: Callable[[int, int], None] | None = None
-    ) -> WorkerOutput:
-        """Every rank runs the request; only the output rank's frames come back, through shared memory. The ranks
-        stop by themselves at a step boundary past request_timeout; one that still has not answered
-        STOP_GRACE_FACTOR x request_timeout + STOP_GRACE_S later is stuck, and every worker is torn down."""
-        limit = None
-        if request.request_timeout is not None:
-            limit = STOP_GRACE_FACTOR * request.request_timeout + STOP_GRACE_S
-        statuses = self._call(OP_FORWARD, dumps(request), "execute_forward", limit, on_progress)
-        for status in statuses:
-            if status.rank != self.output_rank:
-                discard(status)  # other ranks send no frames; a guard, not a path
-        output: WorkerOutput
-        shared: SharedFrames | None
-        output, shared = statuses[self.output_rank].result
-        frames = take_frames(shared) if shared is not None else None
-        return dataclasses.replace(output, frames=frames)
-
-    def execute_batch(
-        self, shares: list[list[tuple[int, GenerationRequest]]], on_item: Callable[[ItemOutcome], None]
-    ) -> None:
-        """Every worker runs its replica's share; the driver receives each item (frames through shared memory) as its
-        replica's output rank finishes it, and calls `on_item` here."""
-        self._call(OP_BATCH, dumps(shares), "execute_batch", None, on_item=on_item)
-
-    def cancel(self) -> None:
-        call_id = self._forward_id
-        if call_id is not None:
-            self._workers.control.cancel(call_id)
-
-    def _call(
-        self,
-        op: int,
-        payload: bytes,
-        method: str | Callable[..., Any],
-        timeout: float | None,
-        on_progress: Callable[[int, int], None] | None = None,
-        on_item: Callable[[ItemOutcome], None] | None = None,
-    ) -> list[RankStatus]:
+        unique_reply_rank: int | None = None,
+        *,
+        options: CallOptions = PLAIN,
+    ) -> Any:
         if timeout is not None and not timeout > 0:
             raise ValueError(f"collective_rpc: timeout={timeout} must be a positive number of seconds, or None")
+        check_reply_rank(self.world_size, unique_reply_rank)
+        call = WireCall(
+            method,
+            tuple(args),
+            dict(kwargs or {}),
+            events=options.on_event is not None,
+            stoppable=options.stop is not None,
+            unique_reply_rank=unique_reply_rank,
+        )
+        payload = cloudpickle.dumps(call, protocol=pickle.HIGHEST_PROTOCOL) if callable(method) else dumps(call)
+        if options.self_limit is not None:
+            stuck = STOP_GRACE_FACTOR * options.self_limit + STOP_GRACE_S
+            timeout = stuck if timeout is None else min(timeout, stuck)
+        statuses = self._call(payload, method, timeout, options)
+        if unique_reply_rank is not None:
+            return statuses[unique_reply_rank].result
+        return [s.result for s in statuses]
+
+    def check_health(self) -> None:
+        """Raise what the next call would raise once the workers are gone; reads state only, never waits on a call
+        in flight (a death during a call is that call's to report)."""
+        if self._closed:
+            raise RuntimeError(SHUT_DOWN)
+        died_idle = self._died_idle
+        if died_idle is not None:
+            raise WorkerDiedError(str(died_idle))
+        if self._dead is not None:
+            raise RuntimeError(self._dead_text())
+
+    def _call(
+        self, payload: bytes, method: str | Callable[..., Any], timeout: float | None, options: CallOptions
+    ) -> list[RankStatus]:
         with self._lock:
             self._check_usable()
             self._next_id += 1
             call_id = self._next_id
-            self._forward_id = call_id if op in (OP_FORWARD, OP_BATCH) else None
+            if options.stop is not None:
+                options.stop.on_set(lambda: self._cancel(call_id))
             try:
-                self._send(call_id, op, payload)
-                settle = op in (OP_FORWARD, OP_BATCH)
-                statuses = self._gather(
-                    call_id, method, timeout, settle=settle, on_progress=on_progress, on_item=on_item
-                )
+                self._send(call_id, payload)
+                statuses = self._gather(call_id, method, timeout, options)
             except KeyboardInterrupt:
                 self._dead = f"interrupted (KeyboardInterrupt) during collective_rpc({method_name(method)!r})"
                 logger.info("interrupted: tearing the %d workers down", self.world_size)
                 self._stop_workers(graceful=False)
                 raise
             finally:
-                self._forward_id = None
                 self._free_segments()
         error = collective_error(method, statuses)
         if error is not None:
-            for status in statuses:
-                discard(status)
             raise error from remote_traceback(s for s in statuses if not s.ok)
         return statuses
 
+    def _cancel(self, call_id: int) -> None:
+        """The call's stop token was set: tell the workers (a call that already ended is not stopped again)."""
+        if not self._closed and self._dead is None:
+            with contextlib.suppress(RuntimeError):  # the control block closed meanwhile: nothing runs any more
+                self._workers.control.cancel(call_id)
+
     def _check_usable(self) -> None:
         if self._closed:
-            raise RuntimeError("the executor is shut down; create a new VideoGenerator")
+            raise RuntimeError(SHUT_DOWN)
+        if self._died_idle is not None:  # the monitor saw it: the first call after it reports it as it happened
+            died_idle, self._died_idle = self._died_idle, None
+            raise died_idle
         if self._dead is not None:
-            raise RuntimeError(
-                f"the mp executor is dead: {self._dead}. Create a new VideoGenerator (from_pretrained) to continue."
-            )
+            raise RuntimeError(self._dead_text())
         for rank, proc in enumerate(self._procs):
-            if proc.exitcode is not None:
+            if proc.exitcode is not None:  # died just now: the monitor waits for this lock
                 self._worker_died(rank, "between calls")
 
-    def _send(self, call_id: int, op: int, payload: bytes) -> None:
+    def _dead_text(self) -> str:
+        return f"the mp executor is dead: {self._dead}. Create a new VideoGenerator (from_pretrained) to continue."
+
+    def _send(self, call_id: int, payload: bytes) -> None:
         if len(payload) > INLINE_PAYLOAD_MAX:
             segment = SharedMemory(create=True, size=len(payload))
             segment_buffer(segment)[: len(payload)] = payload
             self._segments[call_id] = segment
-            message = HEADER.pack(call_id, op | IN_SHM) + pickle.dumps((segment.name, len(payload)))
+            message = HEADER.pack(call_id, OP_CALL | IN_SHM) + pickle.dumps((segment.name, len(payload)))
         else:
-            message = HEADER.pack(call_id, op) + payload
+            message = HEADER.pack(call_id, OP_CALL) + payload
         for rank, conn in enumerate(self._conns):
             try:
                 conn.send_bytes(message)
@@ -214,20 +218,13 @@ class MultiprocExecutor(Executor):
                 self._worker_died(rank, f"call {call_id}")
 
     def _gather(
-        self,
-        call_id: int,
-        method: str | Callable[..., Any],
-        timeout: float | None,
-        *,
-        settle: bool = False,
-        on_progress: Callable[[int, int], None] | None = None,
-        on_item: Callable[[ItemOutcome], None] | None = None,
+        self, call_id: int, method: str | Callable[..., Any], timeout: float | None, options: CallOptions
     ) -> list[RankStatus]:
-        """Every rank's status of call `call_id` (progress notes go to `on_progress` as they arrive). `settle`
-        (execute_forward, whose ranks run in lockstep): once a rank has failed, the others get
-        FORWARD_FAILURE_SETTLE_S to answer; then they are taken to be blocked in a collective with it, and every
-        worker is torn down (see `_blocked_after_failure`). Past `timeout` the ranks are stuck in the call: nothing
-        can interrupt it, so every worker is torn down rather than leave the next call queued behind it."""
+        """Every rank's status of call `call_id` (notes go to `options.on_event` as they arrive). A lockstep call:
+        once a rank has failed alone (`must_settle`), the others get SETTLE_S to answer; then they are taken to be
+        blocked in a collective with it, and every worker is torn down (see `_blocked_after_failure`). Past `timeout`
+        the ranks are stuck in the call: nothing can interrupt it, so every worker is torn down rather than leave the
+        next call queued behind it."""
         statuses: list[RankStatus | None] = [None] * self.world_size
         pending = set(range(self.world_size))
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -239,15 +236,8 @@ class MultiprocExecutor(Executor):
                 self._blocked_after_failure(method, [s for s in statuses if s is not None], pending)
             remaining = None if deadline is None else deadline - now
             if remaining is not None and remaining <= 0:
-                ranks = ", ".join(f"rank {r}" for r in sorted(pending))
-                self._dead = f"{what} timed out after {timeout:g} s (no answer from {ranks})"
-                logger.error("%s: tearing the %d workers down", self._dead, self.world_size)
-                self._stop_workers(graceful=False)
-                raise TimeoutError(
-                    f"{what} timed out after {timeout:g} s: no answer from {ranks}. A call cannot be interrupted "
-                    "inside a worker, so every worker was torn down (a later call would wait behind this one); "
-                    "create a new VideoGenerator to continue."
-                )
+                assert timeout is not None
+                self._timed_out(what, timeout, pending)
             if settle_end is not None:
                 remaining = settle_end - now if remaining is None else min(remaining, settle_end - now)
             # like multiprocessing.connection.wait on pipes and sentinels, without a new selector per call
@@ -259,37 +249,34 @@ class MultiprocExecutor(Executor):
                 try:
                     if not is_pipe:
                         raise EOFError
-                    answer_id, status = pickle.loads(self._conns[rank].recv_bytes())
+                    answer_id, status = loads_shared(self._conns[rank].recv_bytes())
                 except (EOFError, OSError):
                     died.append(rank)
                     continue
-                if isinstance(status, ProgressNote):
-                    if answer_id == call_id and on_progress is not None:
-                        on_progress(status.done, status.total)
-                    continue
-                if isinstance(status, ItemNote):
-                    self._deliver_item(status, on_item if answer_id == call_id else None)
+                if isinstance(status, Note):
+                    if answer_id == call_id and options.on_event is not None:
+                        options.on_event(status.value)
                     continue
                 self._answered[rank] = answer_id
-                if answer_id == call_id:
+                if answer_id == call_id:  # else the late answer to a timed-out call
                     statuses[rank] = status
                     pending.discard(rank)
-                    if settle and not status.ok and settle_end is None:
-                        settle_end = time.monotonic() + FORWARD_FAILURE_SETTLE_S
-                else:
-                    discard(status)  # the late answer to a timed-out call
+                    if options.lockstep and must_settle(status) and settle_end is None:
+                        settle_end = time.monotonic() + SETTLE_S
             if died:
                 self._worker_died(min(died), what)
         return [s for s in statuses if s is not None]
 
-    @staticmethod
-    def _deliver_item(note: ItemNote, on_item: Callable[[ItemOutcome], None] | None) -> None:
-        frames = take_frames(note.frames) if note.frames is not None else None
-        outcome = note.outcome
-        if outcome.output is not None:
-            outcome = dataclasses.replace(outcome, output=dataclasses.replace(outcome.output, frames=frames))
-        if on_item is not None:
-            on_item(outcome)
+    def _timed_out(self, what: str, timeout: float, pending: set[int]) -> NoReturn:
+        ranks = ", ".join(f"rank {r}" for r in sorted(pending))
+        self._dead = f"{what} timed out after {timeout:g} s (no answer from {ranks})"
+        logger.error("%s: tearing the %d workers down", self._dead, self.world_size)
+        self._stop_workers(graceful=False)
+        raise TimeoutError(
+            f"{what} timed out after {timeout:g} s: no answer from {ranks}. A call cannot be interrupted "
+            "inside a worker, so every worker was torn down (a later call would wait behind this one); "
+            "create a new VideoGenerator to continue."
+        )
 
     def _blocked_after_failure(
         self, method: str | Callable[..., Any], answered: list[RankStatus], pending: set[int]
@@ -299,18 +286,14 @@ class MultiprocExecutor(Executor):
         the failed ranks' error, saying which ranks were left blocked."""
         error = collective_error(method, answered)
         assert error is not None
-        for status in answered:
-            discard(status)
         blocked = ", ".join(str(r) for r in sorted(pending))
         failures: dict[int, tuple[str, str]] = getattr(error, "failures", {})
         failed = ", ".join(str(r) for r in sorted(failures))
         self._dead = f"rank(s) {failed} failed while rank(s) {blocked} waited in a collective with them"
-        logger.error(
-            "%s for %.0f s: tearing the %d workers down", self._dead, FORWARD_FAILURE_SETTLE_S, self.world_size
-        )
+        logger.error("%s for %.0f s: tearing the %d workers down", self._dead, SETTLE_S, self.world_size)
         self._stop_workers(graceful=False)
         raise RankFailure(
-            f"{error}\nrank(s) {blocked} were still inside the call {FORWARD_FAILURE_SETTLE_S:.0f} s later, blocked in "
+            f"{error}\nrank(s) {blocked} were still inside the call {SETTLE_S:.0f} s later, blocked in "
             "a collective the failed rank(s) will never join; every worker was torn down and this VideoGenerator can "
             "no longer be used: create a new one.",
             failures,
@@ -318,22 +301,43 @@ class MultiprocExecutor(Executor):
 
     def _worker_died(self, rank: int, during: str) -> NoReturn:
         """Record why the executor is dead, tear every worker down and raise."""
+        raise self._death(rank, during)
+
+    def _death(self, rank: int, during: str, *, idle: bool = False) -> RuntimeError:
+        """Record that rank `rank` died, tear every worker down; the error to raise. `idle` (the monitor): log it now
+        and keep it for the next call (and `check_health`) to raise."""
         proc = self._procs[rank]
         proc.join(1.0)
         if self._closed:
-            raise RuntimeError(f"the executor was shut down during {during}")
+            return RuntimeError(f"the executor was shut down during {during}")
         died = [f"rank {rank} died ({describe_exit(proc.exitcode)})"]
         died += [
             f"rank {r} died ({describe_exit(p.exitcode)})"
             for r, p in enumerate(self._procs)
             if r != rank and p.exitcode is not None
         ]
-        self._dead = f"{', '.join(died)} during {during}"
-        self._stop_workers(graceful=False)
-        raise WorkerDiedError(
-            f"{self._dead}; the other workers were torn down and this VideoGenerator can no longer be used: "
+        dead = f"{', '.join(died)} during {during}"
+        error = WorkerDiedError(
+            f"{dead}; the other workers were torn down and this VideoGenerator can no longer be used: "
             "create a new one." + exit_hint(proc.exitcode)
         )
+        if idle:
+            self._died_idle = error
+            logger.error("%s", error)
+        self._dead = dead
+        self._stop_workers(graceful=False)
+        return error
+
+    def _monitor(self) -> None:
+        """The monitor thread: wait on the workers' sentinels for as long as the executor lives. A death while the
+        executor is idle is logged now and tears the other workers down now; the next call raises its error. A call
+        in flight holds the lock and handles a death itself (its own poll sees the sentinel), so the monitor waits
+        for the call to end and then finds the executor already dead."""
+        sentinels = {proc.sentinel: rank for rank, proc in enumerate(self._procs)}
+        ready = wait(list(sentinels))  # returns once any worker has ended, also at shutdown
+        with self._lock:
+            if not (self._closed or self._dead is not None):
+                self._death(min(sentinels[s] for s in ready if isinstance(s, int)), "between calls", idle=True)
 
     def _free_segments(self) -> None:
         """Unlink payload segments every rank has read (it answered that call or a later one)."""
@@ -353,6 +357,9 @@ class MultiprocExecutor(Executor):
         self._closed = True
         self._stop_workers(graceful=self._dead is None)
         _LIVE.discard(self)
+        monitor = getattr(self, "_monitor_thread", None)
+        if monitor is not None and monitor is not threading.current_thread():
+            monitor.join(MONITOR_JOIN_S)  # it wakes as the workers end; a call still in flight ends with them
 
     def _stop_workers(self, graceful: bool) -> None:
         self._workers.stop(graceful)

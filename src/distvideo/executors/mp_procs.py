@@ -25,6 +25,7 @@ from distvideo.executors.mp_wire import (
     HEADER,
     OP_SHUTDOWN,
     STARTUP_ID,
+    WAIT_SLICE_S,
     ControlBlock,
     describe_exit,
     exit_hint,
@@ -40,7 +41,6 @@ logger = logging.getLogger(__name__)
 SHUTDOWN_GRACE_S = 5.0  # shutdown: how long workers get to finish their call and leave by themselves
 TERMINATE_GRACE_S = 2.0  # then SIGTERM, then SIGKILL
 STARTUP_FAILURE_GRACE_S = 1.5  # after a rank fails to start: how long the others get to report theirs
-WAIT_SLICE_S = 0.5  # the longest one wait blocks (see mp.py: a Ctrl-C must reach the main thread)
 
 
 class WorkerProcesses:

@@ -1,39 +1,59 @@
-"""The mp executor's wire between the driver and its workers: message framing, and frames in shared memory.
+"""The mp executor's wire between the driver and its workers: message framing, and arrays in shared memory.
 
-Driver -> worker: a header (call id, op) followed by the payload. Worker -> driver: a pickled (call id, RankStatus).
-Both ends are processes of this user on this machine, connected by private pipes (see docs/reliability.md for the
-trust model). The output rank hands frames back through a shared-memory segment, never as a pickled copy.
+Driver -> worker: a header (call id, op) followed by the payload, a pickled `WireCall`. Worker -> driver: a pickled
+(call id, RankStatus) answer, or (call id, Note) for an event during the call. Both ends are processes of this user on
+this machine, connected by private pipes (see docs/reliability.md for the trust model). Every numpy array and CPU
+tensor inside an answer or an event (a forward's frames, a batch item's) travels through a shared-memory segment of
+its own, never as a pickled copy: `dumps_shared` moves it out, `loads_shared` copies it into memory the driver owns
+and unlinks the segment.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import io
 import pickle
 import signal
 import struct
+import sys
 from dataclasses import dataclass
 from multiprocessing.shared_memory import SharedMemory
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import cloudpickle
 import numpy as np
 
-from distvideo.executors.base import RankStatus
-
-if TYPE_CHECKING:
-    from distvideo.outputs import ItemOutcome, WorkerOutput
-
 # Wire format. Driver -> worker: a header (call id, op) followed by the payload. Worker -> driver: a
-# pickled (call id, RankStatus). Call id 0 is the start-up report.
+# pickled (call id, RankStatus or Note). Call id 0 is the start-up report.
 HEADER = struct.Struct("<qB")
-OP_CALL = 1  # payload: pickled (method, args, kwargs)
-OP_FORWARD = 2  # payload: pickled GenerationRequest; the output rank answers with frames in shared memory
+OP_CALL = 1  # payload: a pickled WireCall
 OP_SHUTDOWN = 3
-OP_BATCH = 4  # payload: pickled shares; the replicas' output ranks send an ItemNote after every item
 IN_SHM = 0x80  # flag: the payload is a pickled (segment name, size) of a shared-memory segment
 INLINE_PAYLOAD_MAX = 64 * 1024  # below the pipe's buffer, so a busy worker never blocks the driver
 STARTUP_ID = 0
+#: The longest one wait of the driver blocks. A Ctrl-C that the kernel delivers to another thread of the driver
+#: (torch's OpenMP threads, for one) does not interrupt the main thread's poll; waking at least this often lets the
+#: main thread run the pending handler and raise KeyboardInterrupt.
+WAIT_SLICE_S = 0.5
+
+
+@dataclass(frozen=True)
+class WireCall:
+    """One call as every worker receives it: the method and its arguments, and which call options it carries."""
+
+    method: Any  # a worker method's name or a callable (pickled by value)
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    events: bool = False  # the worker method gets `emit`
+    stoppable: bool = False  # the worker method gets `cancelled`, reading the control block
+    unique_reply_rank: int | None = None  # only this rank emits and sends its result
+
+
+@dataclass(frozen=True)
+class Note:
+    """An event a rank emitted during call (call id), delivered to the call's `on_event` in the driver."""
+
+    value: Any
 
 
 class RemoteTraceback(Exception):
@@ -45,22 +65,6 @@ class RemoteTraceback(Exception):
 
     def __str__(self) -> str:
         return self.text
-
-
-@dataclass(frozen=True)
-class ProgressNote:
-    """Sent by the output rank after every denoising step of a request, before its answer."""
-
-    done: int
-    total: int
-
-
-@dataclass(frozen=True)
-class ItemNote:
-    """Sent by a replica's output rank after every batch item: the item's outcome, its frames in shared memory."""
-
-    outcome: ItemOutcome  # without frames
-    frames: SharedFrames | None
 
 
 #: The control block: a shared-memory word the driver writes and every worker reads between denoising steps: the id
@@ -92,15 +96,6 @@ class ControlBlock:
         if self.owner:
             with contextlib.suppress(FileNotFoundError):
                 self.segment.unlink()
-
-
-@dataclass(frozen=True)
-class SharedFrames:
-    """Where the output rank left its frames: a shared-memory segment the driver copies out and unlinks."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
 
 
 def dumps(obj: Any) -> bytes:
@@ -139,49 +134,107 @@ def segment_buffer(segment: SharedMemory) -> memoryview:
     return buf
 
 
-def unlink_frames(shared: SharedFrames) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        segment = SharedMemory(name=shared.name)
-        segment.close()
-        segment.unlink()
-
-
-def take_frames(shared: SharedFrames) -> np.ndarray:
-    """Copy the output rank's frames out of shared memory into an array the driver owns, then unlink."""
-    segment = SharedMemory(name=shared.name)
-    try:
-        view = np.ndarray(shared.shape, dtype=np.dtype(shared.dtype), buffer=segment_buffer(segment))
-        frames = view.copy()
-        del view  # the segment cannot close while an array points into it
-    finally:
-        segment.close()
-        segment.unlink()
-    return frames
-
-
-def discard(status: RankStatus) -> None:
-    """Release what an answer nobody will read holds (frames in shared memory)."""
-    result = status.result
-    if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], SharedFrames):
-        unlink_frames(result[1])
-
-
 def remote_traceback(statuses: Any) -> RemoteTraceback | None:
     parts = [f"rank {s.rank}:\n{s.traceback.rstrip()}" for s in statuses if s.traceback]
     return RemoteTraceback("\n\n".join(parts)) if parts else None
 
 
-def export_frames(output: WorkerOutput) -> tuple[WorkerOutput, SharedFrames | None]:
-    """Move the output rank's frames into a shared-memory segment the driver will copy out and unlink."""
-    frames = output.frames
-    if frames is None:
-        return output, None
-    segment = SharedMemory(create=True, size=max(1, frames.nbytes))
+# --- arrays through shared memory --------------------------------------------------------------
+def _export(data: np.ndarray) -> str:
+    """Copy `data` into a new shared-memory segment (left for the reader to unlink); its name."""
+    segment = SharedMemory(create=True, size=max(1, data.nbytes))
     try:
-        view = np.ndarray(frames.shape, dtype=frames.dtype, buffer=segment_buffer(segment))
-        view[...] = frames
-        del view
-        shared = SharedFrames(segment.name, tuple(frames.shape), frames.dtype.str)
+        view = np.ndarray(data.shape, dtype=data.dtype, buffer=segment_buffer(segment))
+        view[...] = data
+        del view  # the segment cannot close while an array points into it
     finally:
         segment.close()
-    return dataclasses.replace(output, frames=None), shared
+    return segment.name
+
+
+def _take(name: str, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    """Copy an array out of shared memory into memory this process owns, then unlink the segment."""
+    segment = SharedMemory(name=name)
+    try:
+        view = np.ndarray(shape, dtype=np.dtype(dtype), buffer=segment_buffer(segment))
+        data = view.copy()
+        del view
+    finally:
+        segment.close()
+        segment.unlink()
+    return data
+
+
+def _unlink(name: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        segment = SharedMemory(name=name)
+        segment.close()
+        segment.unlink()
+
+
+class _Exporting:
+    """The pickler side: every array and CPU tensor becomes a reference to its shared-memory segment."""
+
+    segments: list[str]
+
+    def persistent_id(self, obj: Any) -> Any:
+        if type(obj) is np.ndarray and not obj.dtype.hasobject:
+            name = _export(obj)
+            self.segments.append(name)
+            return ("ndarray", name, obj.shape, obj.dtype.str)
+        torch = sys.modules.get("torch")  # a process that has no tensors need not import torch
+        if (
+            torch is not None
+            and isinstance(obj, torch.Tensor)
+            and obj.device.type == "cpu"
+            and obj.layout == torch.strided
+            and not (obj.requires_grad or obj.is_quantized)
+        ):
+            raw = obj.contiguous().reshape(-1).view(torch.uint8).numpy()  # any dtype, as bytes
+            name = _export(raw)
+            self.segments.append(name)
+            return ("tensor", name, tuple(obj.shape), str(obj.dtype).removeprefix("torch."), raw.shape)
+        return None
+
+
+class _SharedPickler(_Exporting, pickle.Pickler):
+    pass
+
+
+class _SharedCloudPickler(_Exporting, cloudpickle.Pickler):  # type: ignore[misc]  # cloudpickle has no annotations
+    pass
+
+
+class _SharedUnpickler(pickle.Unpickler):
+    def persistent_load(self, pid: Any) -> Any:
+        if pid[0] == "ndarray":
+            _, name, shape, dtype = pid
+            return _take(name, shape, dtype)
+        _, name, shape, dtype, raw_shape = pid
+        import torch
+
+        raw = torch.from_numpy(_take(name, raw_shape, "|u1"))
+        return raw.view(getattr(torch, dtype)).reshape(shape)
+
+
+def dumps_shared(obj: Any) -> bytes:
+    """`dumps` for answers and events: arrays and CPU tensors go to shared memory (segments of an attempt that
+    failed are unlinked before the next one)."""
+    for pickler_class in (_SharedPickler, _SharedCloudPickler):
+        buffer = io.BytesIO()
+        pickler = pickler_class(buffer, protocol=pickle.HIGHEST_PROTOCOL)
+        pickler.segments = []
+        try:
+            pickler.dump(obj)
+            return buffer.getvalue()
+        except (pickle.PicklingError, AttributeError, TypeError):
+            for name in pickler.segments:
+                _unlink(name)
+            if pickler_class is _SharedCloudPickler:
+                raise
+    raise AssertionError("unreachable")
+
+
+def loads_shared(data: bytes) -> Any:
+    """The inverse of `dumps_shared`: every array comes back in this process's own memory, its segment unlinked."""
+    return _SharedUnpickler(io.BytesIO(data)).load()

@@ -7,7 +7,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
-import dataclasses
 import functools
 import logging
 import multiprocessing
@@ -21,27 +20,23 @@ import threading
 import time
 from multiprocessing.connection import Connection
 from multiprocessing.shared_memory import SharedMemory
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from distvideo.engine import ResolvedEngine
-from distvideo.executors.base import RankStatus, run_guarded
+from distvideo.executors.base import RankStatus, call_hooks, run_guarded
 from distvideo.executors.mp_wire import (
     HEADER,
     IN_SHM,
-    OP_BATCH,
-    OP_FORWARD,
     OP_SHUTDOWN,
     STARTUP_ID,
     ControlBlock,
-    ItemNote,
-    ProgressNote,
-    dumps,
-    export_frames,
+    Note,
+    WireCall,
+    dumps_shared,
     segment_buffer,
 )
 
 if TYPE_CHECKING:
-    from distvideo.outputs import ItemOutcome
     from distvideo.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -177,7 +172,7 @@ def _serve(conn: Connection, worker: Worker, rank: int, control: ControlBlock) -
         call = functools.partial(_execute, worker, op, payload, conn, call_id, control)
         status = run_guarded(rank, call)
         try:
-            answer = dumps((call_id, status.for_transport()))
+            answer = dumps_shared((call_id, status.for_transport()))
         except Exception as exc:
             unsendable = TypeError(
                 f"the result ({type(status.result).__name__}) cannot be sent to the driver: {type(exc).__name__}: {exc}"
@@ -191,7 +186,7 @@ def _serve(conn: Connection, worker: Worker, rank: int, control: ControlBlock) -
 
 def _execute(
     worker: Worker, op: int, payload: memoryview, conn: Connection, call_id: int, control: ControlBlock
-) -> object:  # whatever the called worker method returns (for a forward: its output with the frames exported)
+) -> Any:  # whatever the called worker method returns
     if op & IN_SHM:
         name, size = pickle.loads(payload)
         segment = SharedMemory(name=name)
@@ -199,28 +194,15 @@ def _execute(
             payload = memoryview(bytes(segment_buffer(segment)[:size]))
         finally:
             segment.close()
-        op &= ~IN_SHM
-    if op == OP_FORWARD:
-        request = pickle.loads(payload)
+    call: WireCall = pickle.loads(payload)
+    replies = call.unique_reply_rank in (None, worker.rank)
 
-        def progress(done: int, total: int) -> None:  # the output rank reports each step to the driver
-            conn.send_bytes(dumps((call_id, ProgressNote(done, total))))
+    def emit(value: Any) -> None:  # an event of this rank, to the driver's on_event (arrays via shared memory)
+        conn.send_bytes(dumps_shared((call_id, Note(value))))
 
-        output = worker.execute_method(
-            "execute_forward",
-            request,
-            on_progress=progress if worker.is_output_rank else None,
-            cancelled=lambda: control.cancelled(call_id),
-        )
-        return export_frames(output)
-    if op == OP_BATCH:
-        shares = pickle.loads(payload)
+    def cancelled() -> bool:
+        return control.cancelled(call_id)
 
-        # a replica's output rank, after every item: its frames via shared memory
-        def report(outcome: ItemOutcome) -> None:
-            output, shared = export_frames(outcome.output) if outcome.output is not None else (None, None)
-            conn.send_bytes(dumps((call_id, ItemNote(dataclasses.replace(outcome, output=output), shared))))
-
-        return worker.execute_method("execute_batch", shares, report, cancelled=lambda: control.cancelled(call_id))
-    method, args, kwargs = pickle.loads(payload)
-    return worker.execute_method(method, *args, **kwargs)
+    kwargs = call_hooks(call.kwargs, emit if call.events and replies else None, cancelled if call.stoppable else None)
+    result = worker.execute_method(call.method, *call.args, **kwargs)
+    return result if replies else None  # with unique_reply_rank, the other ranks send their status only

@@ -31,6 +31,8 @@ logger = logging.getLogger(__name__)
 
 #: errors after which the engine cannot run another job: the process exits nonzero so it is restarted
 FATAL = (WorkerDiedError, ProcessGroupBrokenError)
+#: how often the engine loop asks the generator, while no job runs, whether its ranks are still there
+HEALTH_POLL_S = 1.0
 
 
 class EngineLoop:
@@ -85,12 +87,15 @@ class EngineLoop:
     # -- the engine's thread ---------------------------------------------------------------------
     def run(self) -> int:
         """Run jobs until shutdown; returns the exit code (1 when the engine broke)."""
+        idle_watch = threading.Event()
+        threading.Thread(target=self._watch_health, args=(idle_watch,), name="distvideo-health", daemon=True).start()
         try:
             while (job := self.service.take()) is not None:
                 self._run(job)
                 if self.broken is not None:
                     break
         finally:
+            idle_watch.set()
             if self.channel is not None and self.broken is None:
                 missing = self.channel.stop_everyone(self._stop_reason or "stopped")
                 if missing:
@@ -143,13 +148,33 @@ class EngineLoop:
             return "timeout", str(exc)
         return "cancelled", str(exc)
 
+    def _watch_health(self, stopped: threading.Event) -> None:
+        """While no job runs, ask the generator whether its ranks are still there (mp: a worker that died while idle),
+        so /health turns unhealthy and the loop exits 1 then, not at the next job. A job's own failure is `_run`'s."""
+        while not stopped.wait(HEALTH_POLL_S):
+            if self.service.running is not None:
+                continue
+            try:
+                self.gen.check_health()
+            except FATAL as exc:
+                message = f"{type(exc).__name__}: {exc}"
+                logger.error("the engine failed while idle; the service stops and exits 1: %s", message)
+                self.broken = exc
+                self._fail_queued(message)
+                return
+            except Exception:
+                return  # shut down or dead already: whoever did that reports it
+
+    def _fail_queued(self, message: str) -> None:
+        for job in self.service.close(UNHEALTHY, f"the engine failed: {message}"):
+            self.store.mark_failed(job.id, "engine_failure", f"the engine failed before this job started: {message}")
+
     def _broke(self, job_id: str, exc: BaseException) -> None:
         message = f"{type(exc).__name__}: {exc}"
         logger.error("the engine failed during job %s; the service stops and exits 1: %s", job_id, message)
         self.broken = exc
         self.store.mark_failed(job_id, "engine_failure", message)
-        for job in self.service.close(UNHEALTHY, f"the engine failed: {message}"):
-            self.store.mark_failed(job.id, "engine_failure", f"the engine failed before this job started: {message}")
+        self._fail_queued(message)
 
 
 def follow(gen: GeneratorHandle, channel: JobChannel, adapters: Adapters) -> int:
