@@ -55,7 +55,6 @@ from distvideo.executors.heartbeat import Heartbeat, Pulse, diagnose, first_line
 from distvideo.launch import torch_env_for
 from distvideo.logging_utils import set_log_rank
 from distvideo.parallel.collectives import collective
-from distvideo.request import GenerationRequest
 from distvideo.worker import RankInfo, Worker
 
 logger = logging.getLogger(__name__)

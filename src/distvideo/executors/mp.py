@@ -69,7 +69,6 @@ from distvideo.executors.mp_wire import (
     remote_traceback,
     segment_buffer,
 )
-from distvideo.request import GenerationRequest
 
 logger = logging.getLogger(__name__)
 
