@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -167,6 +168,19 @@ def tensor_version(x: torch.Tensor) -> int:
 def abort_process_group() -> Callable[[], None] | None:
     """torch's abort of every process group (NCCL: returns without waiting on peers), or None when absent."""
     return getattr(torch.distributed.distributed_c10d, "_abort_process_group", None)
+
+
+def backend_options(backend: str, timeout: timedelta) -> Any:
+    """Options of a `backend` process group that carry `timeout`, of the type `init_device_mesh`'s
+    `backend_override` takes: ProcessGroupNCCL.Options has no timeout argument (new_group sets its `_timeout`), and
+    the generic type is the private ``torch._C._distributed_c10d.Backend.Options``."""
+    if backend == "nccl":
+        options = torch.distributed.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return options
+    from torch._C._distributed_c10d import Backend
+
+    return Backend.Options(backend, timeout)
 
 
 def compiled_modules(module: nn.Module) -> list[nn.Module]:

@@ -28,9 +28,9 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
-from torch._C._distributed_c10d import Backend as C10dBackend
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from distvideo.models import compat
 from distvideo.parallel.collectives import collective
 from distvideo.parallel.layout import ParallelLayout
 
@@ -67,11 +67,7 @@ def _options(backend: str, timeout: timedelta | None) -> Any:
     only inside them. None: torch's default timeout, as for any group created without one."""
     if timeout is None:
         return None
-    if backend == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout  # ProcessGroupNCCL.Options takes no timeout argument; new_group sets it this way
-        return options
-    return C10dBackend.Options(backend, timeout)  # the type init_device_mesh's backend_override names
+    return compat.backend_options(backend, timeout)
 
 
 def _build_mesh(device_type: str, dims: dict[str, int], *, backend: str, timeout: timedelta | None) -> DeviceMesh:
