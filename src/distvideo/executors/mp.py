@@ -79,6 +79,10 @@ STOP_GRACE_S = 30.0
 MONITOR_JOIN_S = 5.0  # shutdown: how long the monitor thread gets to see the workers end and leave
 
 
+#: how a worker's death between two calls is reported ("rank 1 died (killed by SIGKILL) between calls; ...")
+IDLE = "between calls"
+
+
 # --- the driver ---------------------------------------------------------------------------------
 
 
@@ -197,7 +201,7 @@ class MultiprocExecutor(Executor):
             raise RuntimeError(self._dead_text())
         for rank, proc in enumerate(self._procs):
             if proc.exitcode is not None:  # died just now: the monitor waits for this lock
-                self._worker_died(rank, "between calls")
+                self._worker_died(rank, IDLE)
 
     def _dead_text(self) -> str:
         return f"the mp executor is dead: {self._dead}. Create a new VideoGenerator (from_pretrained) to continue."
@@ -307,15 +311,16 @@ class MultiprocExecutor(Executor):
         and keep it for the next call (and `check_health`) to raise."""
         proc = self._procs[rank]
         proc.join(1.0)
+        when = during if during == IDLE else f"during {during}"
         if self._closed:
-            return RuntimeError(f"the executor was shut down during {during}")
+            return RuntimeError(f"the executor was shut down {when}")
         died = [f"rank {rank} died ({describe_exit(proc.exitcode)})"]
         died += [
             f"rank {r} died ({describe_exit(p.exitcode)})"
             for r, p in enumerate(self._procs)
             if r != rank and p.exitcode is not None
         ]
-        dead = f"{', '.join(died)} during {during}"
+        dead = f"{', '.join(died)} {when}"
         error = WorkerDiedError(
             f"{dead}; the other workers were torn down and this VideoGenerator can no longer be used: "
             "create a new one." + exit_hint(proc.exitcode)
@@ -336,7 +341,7 @@ class MultiprocExecutor(Executor):
         ready = wait(list(sentinels))  # returns once any worker has ended, also at shutdown
         with self._lock:
             if not (self._closed or self._dead is not None):
-                self._death(min(sentinels[s] for s in ready if isinstance(s, int)), "between calls", idle=True)
+                self._death(min(sentinels[s] for s in ready if isinstance(s, int)), IDLE, idle=True)
 
     def _free_segments(self) -> None:
         """Unlink payload segments every rank has read (it answered that call or a later one)."""
