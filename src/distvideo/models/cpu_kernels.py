@@ -12,7 +12,7 @@ returned undo removes it.
 with ``F.normalize(x, dim=1)``, a strided vector-norm reduction; ``x * rsqrt(max(sum(x * x, dim=1), eps^2))`` is the
 same value, computed faster on CPU.
 
-:func:`use_cpu_kernels` applies both; docs/performance.md has the measured effect (``benchmarks/kernels.py``).
+:func:`use_cpu_kernels` applies both; docs/performance.md has the measured effect (``benchmarks/speed_plans.py``).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@
 The two ways alternate `--runs` times, so drifting machine speed hits both alike; medians, and the max abs
 difference of the outputs.
 
-    python benchmarks/kernels.py --runs 15 --decodes 3
+    python benchmarks/speed_plans.py --runs 15 --decodes 3
 """
 
 from __future__ import annotations
