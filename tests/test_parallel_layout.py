@@ -70,6 +70,9 @@ USP_LAYOUTS = [
     (4, dict(num_heads=4, ulysses_size=2, ring_size=2), (1, 2, 2)),  # both given: sp = 4, cfg follows
     (8, dict(num_heads=4, cfg_parallel=True, ulysses_size=2), (2, 2, 2)),
     (4, dict(num_heads=4, sp_size=2, ring_size=2), (2, 1, 2)),
+    (2, dict(num_heads=4, ring_size=2), (1, 1, 2)),  # automatic CFG would leave sp 1: off
+    (4, dict(num_heads=4, ring_size=2), (2, 1, 2)),
+    (4, dict(num_heads=4, ring_size=4), (1, 1, 4)),
 ]
 
 

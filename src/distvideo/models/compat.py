@@ -207,7 +207,9 @@ def compile_seconds() -> float:
 
 
 # --- attention that also returns its log-sum-exp (ring attention's blocks) ------------------------------------------
-def attention_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_with_lse(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(softmax(q k^T / sqrt(D)) v, logsumexp of the scaled scores) for (B, S, H, D) tensors: the output (B, S_q, H, D)
     in float32 and the LSE (B, S_q, H) in float32. On CPU torch's private flash kernel (the one public
     `scaled_dot_product_attention` runs there, so a single block equals it bit for bit); on CUDA its private

@@ -11,6 +11,7 @@ talk to each other until the end.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from distvideo.errors import ConfigError
@@ -198,7 +199,8 @@ def resolve_layout(
             f"replicas({replicas}) must divide world_size({world_size}): each replica gets world / replicas ranks; "
             f"with {world_size} rank(s) use replicas among {[n for n in range(1, world_size + 1) if world_size % n == 0]}"
         )
-    layout = _resolve_replica(world_size // replicas, sp_size, cfg_parallel, num_heads)
+    multiple = math.lcm(ulysses_size or 1, ring_size or 1)  # an sp left to the default must hold what was given
+    layout = _resolve_replica(world_size // replicas, sp_size, cfg_parallel, num_heads, multiple)
     return ParallelLayout(
         world_size=world_size,
         sp_size=layout.sp_size,
@@ -210,9 +212,10 @@ def resolve_layout(
 
 
 def _resolve_replica(
-    world_size: int, sp_size: int | None, cfg_parallel: bool | None, num_heads: int | None
+    world_size: int, sp_size: int | None, cfg_parallel: bool | None, num_heads: int | None, sp_multiple: int = 1
 ) -> ParallelLayout:
-    """The cfg x sp layout of one replica of `world_size` ranks."""
+    """The cfg x sp layout of one replica of `world_size` ranks; automatic CFG parallelism stays off when it would
+    leave a default sp that is no multiple of `sp_multiple` (a given ulysses_size or ring_size)."""
     if sp_size is not None and sp_size < 1:
         raise ConfigError(f"sp_size({sp_size}) must be >= 1")
     if cfg_parallel is True and world_size % CFG_DEGREE:
@@ -222,7 +225,8 @@ def _resolve_replica(
         )
     if cfg_parallel is None:
         if sp_size is None:
-            cfg_degree = CFG_DEGREE if world_size % CFG_DEGREE == 0 else 1
+            halves = world_size % CFG_DEGREE == 0 and (world_size // CFG_DEGREE) % sp_multiple == 0
+            cfg_degree = CFG_DEGREE if halves else 1
         elif sp_size * CFG_DEGREE == world_size:
             cfg_degree = CFG_DEGREE
         else:

@@ -44,8 +44,9 @@ class RingAttention:
 
     def __init__(self, group: Any, ring_size: int, ring_rank: int, counts: Counter[str] | None = None):
         if ring_size < 2 or not 0 <= ring_rank < ring_size:
-            raise ValueError(f"ring attention needs ring_size >= 2 and 0 <= ring_rank < ring_size, got {ring_size}, "
-                             f"{ring_rank}")
+            raise ValueError(
+                f"ring attention needs ring_size >= 2 and 0 <= ring_rank < ring_size, got {ring_size}, {ring_rank}"
+            )
         self.group = group
         self.ring_size = ring_size
         self.ring_rank = ring_rank
