@@ -1,7 +1,8 @@
 """Ring attention and USP (sp = ulysses x ring): the log-sum-exp merge against full attention (one process), and
 frames within 2 of one rank for ring 2 (mp), ring 4, ulysses 2 x ring 2, cfg 2 x ring 2, a 6-head checkpoint at sp 4
-(Ulysses 2 takes what divides the heads, ring 2 the rest; 4 ranks in one torchrun launch) and cfg 2 x ulysses 2 x
-ring 2 (8 ranks under torchrun). Sizes are tiny and steps 2: 8 gloo ranks share 2 cores here.
+(Ulysses 2 takes what divides the heads, ring 2 the rest), Wan2.2 TI2V-5B (per-token timesteps) at ring 4 and Wan2.2
+A14B (two experts) at cfg 2 x ring 2 (4 ranks in one torchrun launch) and cfg 2 x ulysses 2 x ring 2 (8 ranks under
+torchrun). Sizes are tiny and steps 2: 8 gloo ranks share 2 cores here.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from distvideo import VideoGenerator
 from distvideo.models import compat
 from distvideo.parallel.ring import merge_partials, real_keys
 from distvideo.testing.checkpoints import build_tiny_wan
+from family_checkpoints import family_checkpoint, test_image
 
 from conftest import REPO, max_abs_diff
 from launchers import format_output, run_launcher
@@ -26,14 +28,24 @@ SCRIPT = REPO / "tests" / "parallel_scripts" / "run_cases.py"
 PROMPT = "a red fox running through snow"
 # latent 3 x 6 x 6 -> 27 tokens: padded to 28 on 2 and 4 ranks and to 32 on 8, so the last chunks hold padding
 ODD = dict(num_frames=9, height=48, width=48, num_inference_steps=2, seed=2)
-# (name, model, sp_size, cfg_parallel, ulysses_size, ring_size, want (ulysses, ring))
+IMAGE = "<image>"  # replaced by the session's test image
+REQUESTS = {
+    "odd": ODD,
+    # TI2V-5B: 3 x 3 x 1 = 9 tokens, padded to 12 on 4 ranks: the last ring chunk is padding only
+    "ti2v": dict(image=IMAGE, num_frames=9, height=96, width=32, num_inference_steps=2, seed=6),
+    # A14B: UniPC with shift 12 at 4 steps, both experts; 2 x 2 x 3 = 12 tokens
+    "moe": dict(num_frames=5, height=32, width=48, num_inference_steps=4, guidance_scale=4.0, guidance_scale_2=2.5),
+}
+# (name, model, request, sp_size, cfg_parallel, ulysses_size, ring_size, want (ulysses, ring))
 FOUR_RANKS = [
-    ("ring4", "embedded", 4, False, None, 4, [1, 4]),
-    ("u2r2", "embedded", 4, False, 2, 2, [2, 2]),
-    ("cfg2r2", "embedded", 2, True, 1, 2, [1, 2]),
-    ("heads6-sp4", "heads6", 4, False, None, None, [2, 2]),  # 4 does not divide 6 heads: no longer refused
+    ("ring4", "embedded", "odd", 4, False, None, 4, [1, 4]),
+    ("u2r2", "embedded", "odd", 4, False, 2, 2, [2, 2]),
+    ("cfg2r2", "embedded", "odd", 2, True, 1, 2, [1, 2]),
+    ("heads6-sp4", "heads6", "odd", 4, False, None, None, [2, 2]),  # 4 does not divide 6 heads: no longer refused
+    ("ti2v-ring4", "wan22_ti2v_5b", "ti2v", 4, False, None, 4, [1, 4]),
+    ("moe-cfg2r2", "wan22_t2v_a14b", "moe", 2, True, None, 2, [1, 2]),
 ]
-EIGHT_RANKS = [("cfg2u2r2", "embedded", 4, True, 2, 2, [2, 2])]
+EIGHT_RANKS = [("cfg2u2r2", "embedded", "odd", 4, True, 2, 2, [2, 2])]
 
 
 # --- the merge, in one process ---------------------------------------------------------------------------------------
@@ -67,20 +79,32 @@ def test_real_keys_leave_the_padding_out():
 @pytest.fixture(scope="module")
 def models(tiny_model, tmp_path_factory) -> dict[str, Path]:
     heads6 = build_tiny_wan(tmp_path_factory.mktemp("heads6") / "ckpt", num_attention_heads=6, num_layers=2, seed=5)
-    return {"embedded": tiny_model, "heads6": heads6}
+    families = {name: family_checkpoint(tmp_path_factory, name) for name in ("wan22_ti2v_5b", "wan22_t2v_a14b")}
+    return {"embedded": tiny_model, "heads6": heads6, **families}
 
 
 @pytest.fixture(scope="module")
-def single_rank(models) -> dict[str, np.ndarray]:
+def image(tmp_path_factory) -> str:
+    return str(test_image(tmp_path_factory))
+
+
+def _kwargs(request: str, image: str) -> dict:
+    return {k: (image if v == IMAGE else v) for k, v in REQUESTS[request].items()}
+
+
+@pytest.fixture(scope="module")
+def single_rank(models, image) -> dict[tuple[str, str], np.ndarray]:
     frames = {}
-    for name, path in models.items():
-        with VideoGenerator.from_pretrained(path, executor="inline") as gen:
-            frames[name] = gen.generate(PROMPT, save_video=False, **ODD).frames
-            assert frames[name].std() > 1.0, "flat frames would prove nothing"
+    for _, model, request, *_ in FOUR_RANKS + EIGHT_RANKS:
+        if (model, request) in frames:
+            continue
+        with VideoGenerator.from_pretrained(models[model], executor="inline") as gen:
+            frames[(model, request)] = gen.generate(PROMPT, save_video=False, **_kwargs(request, image)).frames
+            assert frames[(model, request)].std() > 1.0, "flat frames would prove nothing"
     return frames
 
 
-def _launch(tmp: Path, engines: list[tuple], nproc: int, models: dict[str, Path]) -> dict:
+def _launch(tmp: Path, engines: list[tuple], nproc: int, models: dict[str, Path], image: str) -> dict:
     cases = [
         {
             "name": name,
@@ -89,9 +113,9 @@ def _launch(tmp: Path, engines: list[tuple], nproc: int, models: dict[str, Path]
             "cfg_parallel": cfg,
             "ulysses_size": ulysses,
             "ring_size": ring,
-            "requests": [{"name": "odd", "kwargs": ODD}],
+            "requests": [{"name": request, "kwargs": _kwargs(request, image)}],
         }
-        for name, model, sp, cfg, ulysses, ring, _ in engines
+        for name, model, request, sp, cfg, ulysses, ring, _ in engines
     ]
     (tmp / "cases.json").write_text(json.dumps(cases))
     proc = run_launcher("torchrun", [str(SCRIPT), str(tmp / "cases.json"), str(tmp)], nproc=nproc, timeout=400)
@@ -99,30 +123,32 @@ def _launch(tmp: Path, engines: list[tuple], nproc: int, models: dict[str, Path]
     return json.loads((tmp / "report.json").read_text())
 
 
-def _check(tmp: Path, report: dict, engines: list[tuple], single_rank: dict[str, np.ndarray]) -> None:
-    for name, model, *_, want in engines:
-        entry = report[f"{name}-odd"]
+def _check(tmp: Path, report: dict, engines: list[tuple], single_rank: dict) -> None:
+    for name, model, request, *_, want in engines:
+        entry = report[f"{name}-{request}"]
         assert all(c["usp"] == want for c in entry["plan_counts"]), (name, entry["plan_counts"])
-        # ring - 1 passes per self-attention (2 layers), 2 steps, one branch per rank or two without cfg
-        forwards = 2 * (1 if any(c["layout"][1] == 2 for c in entry["plan_counts"]) else 2)
+        # ring - 1 passes per self-attention (2 layers), per step, one branch per rank or two without cfg
+        steps = REQUESTS[request]["num_inference_steps"]
+        forwards = steps * (1 if any(c["layout"][1] == 2 for c in entry["plan_counts"]) else 2)
         passes = (want[1] - 1) * 2 * forwards
         assert [c["ring"].get("ring_pass", 0) for c in entry["plan_counts"]] == [passes] * len(entry["plan_counts"])
-        frames = np.load(tmp / f"{name}-odd.npy")
-        assert frames.shape == single_rank[model].shape
-        assert max_abs_diff(frames, single_rank[model]) <= 2, name
+        frames = np.load(tmp / f"{name}-{request}.npy")
+        reference = single_rank[(model, request)]
+        assert frames.shape == reference.shape
+        assert max_abs_diff(frames, reference) <= 2, name
         assert entry["has_frames"] == [True] + [False] * (len(entry["has_frames"]) - 1)
 
 
 @pytest.mark.launcher
 @pytest.mark.slow
-def test_usp_layouts_on_four_ranks_match_single_rank(tmp_path, models, single_rank):
-    _check(tmp_path, _launch(tmp_path, FOUR_RANKS, 4, models), FOUR_RANKS, single_rank)
+def test_usp_layouts_on_four_ranks_match_single_rank(tmp_path, models, image, single_rank):
+    _check(tmp_path, _launch(tmp_path, FOUR_RANKS, 4, models, image), FOUR_RANKS, single_rank)
 
 
 @pytest.mark.launcher
 @pytest.mark.slow
-def test_cfg2_ulysses2_ring2_on_eight_ranks_matches_single_rank(tmp_path, models, single_rank):
-    _check(tmp_path, _launch(tmp_path, EIGHT_RANKS, 8, models), EIGHT_RANKS, single_rank)
+def test_cfg2_ulysses2_ring2_on_eight_ranks_matches_single_rank(tmp_path, models, image, single_rank):
+    _check(tmp_path, _launch(tmp_path, EIGHT_RANKS, 8, models, image), EIGHT_RANKS, single_rank)
 
 
 @pytest.mark.slow
@@ -133,4 +159,4 @@ def test_ring2_on_mp_matches_single_rank(models, single_rank):
         assert gen.engine.layout.describe() == "world 2 = cfg 1 x sp 2 (ulysses 1 x ring 2)"
         assert gen.collective_rpc("applied_plans")[0]["transformer"][0] == "usp"
         res = gen.generate(PROMPT, save_video=False, **ODD)
-    assert max_abs_diff(res.frames, single_rank["embedded"]) <= 2
+    assert max_abs_diff(res.frames, single_rank[("embedded", "odd")]) <= 2
