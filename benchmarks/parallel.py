@@ -6,7 +6,10 @@ Modes, each in its own process group (one launch per mode, each rank one process
 - ``cfg2``: distvideo, 2 ranks, CFG parallel (sp 1);
 - ``sp2``: distvideo, 2 ranks, Ulysses sequence parallel (CFG off);
 - ``diffusers-ulysses2``: diffusers' WanPipeline with its own context parallelism
-  (``transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=2))``) on the same checkpoint, 2 ranks.
+  (``transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=2))``) on the same checkpoint, 2 ranks;
+- ``ring2``: distvideo, 2 ranks, ring attention (ulysses 1 x ring 2, CFG off), and ``diffusers-ring2``: diffusers'
+  ring context parallelism (``ContextParallelConfig(ring_degree=2)``); not in the default modes:
+  ``--modes single,ring2,diffusers-ring2``.
 
 Each launch makes one warm-up generation (1 step, same shape), then ``--runs`` timed ones. The modes are launched in
 ``--rounds`` interleaved rounds (single, cfg2, sp2, diffusers, single, ...), so a burst of load from other processes
@@ -41,6 +44,8 @@ MODES: dict[str, dict[str, Any]] = {
     "cfg2": {"world": 2, "sp_size": 1, "cfg_parallel": True},
     "sp2": {"world": 2, "sp_size": 2, "cfg_parallel": False},
     "diffusers-ulysses2": {"world": 2},
+    "ring2": {"world": 2, "sp_size": 2, "cfg_parallel": False, "ring_size": 2},
+    "diffusers-ring2": {"world": 2},
     "paired": {"world": 2},
 }
 
@@ -65,7 +70,11 @@ def run_distvideo(mode: str, args: argparse.Namespace) -> dict[str, Any] | None:
     spec = MODES[mode]
     executor = "inline" if spec["world"] == 1 else "external"
     with VideoGenerator.from_pretrained(
-        args.model, executor=executor, sp_size=spec["sp_size"], cfg_parallel=spec["cfg_parallel"]
+        args.model,
+        executor=executor,
+        sp_size=spec["sp_size"],
+        cfg_parallel=spec["cfg_parallel"],
+        ring_size=spec.get("ring_size"),
     ) as gen:
         gen.generate(PROMPT, negative_prompt=NEGATIVE, save_video=False, **request_kwargs(args, steps=1))  # warm-up
         runs = []
@@ -85,7 +94,7 @@ def run_distvideo(mode: str, args: argparse.Namespace) -> dict[str, Any] | None:
         return {"mode": mode, "runs": runs, "frames_std": float(res.frames.std())}
 
 
-def run_diffusers_ulysses(args: argparse.Namespace) -> dict[str, Any] | None:
+def run_diffusers_ulysses(args: argparse.Namespace, mode: str = "diffusers-ulysses2") -> dict[str, Any] | None:
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -96,7 +105,8 @@ def run_diffusers_ulysses(args: argparse.Namespace) -> dict[str, Any] | None:
     torch.set_num_threads(1)
     pipe = WanPipeline.from_pretrained(args.model)
     pipe.set_progress_bar_config(disable=True)
-    pipe.transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=dist.get_world_size()))
+    degree = "ring_degree" if mode == "diffusers-ring2" else "ulysses_degree"
+    pipe.transformer.enable_parallelism(config=ContextParallelConfig(**{degree: dist.get_world_size()}))
     vae = pipe.vae
     z = vae.config.z_dim
     mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1)
@@ -127,7 +137,7 @@ def run_diffusers_ulysses(args: argparse.Namespace) -> dict[str, Any] | None:
     if rank != 0:
         return None
     return {
-        "mode": "diffusers-ulysses2",
+        "mode": mode,
         "runs": runs,
         "frames_std": float(frames.std()),
     }
@@ -247,8 +257,8 @@ def run_paired(args: argparse.Namespace) -> dict[str, Any] | None:
 def child_main(args: argparse.Namespace) -> None:
     if args.child == "paired":
         result = run_paired(args)
-    elif args.child == "diffusers-ulysses2":
-        result = run_diffusers_ulysses(args)
+    elif args.child in ("diffusers-ulysses2", "diffusers-ring2"):
+        result = run_diffusers_ulysses(args, args.child)
     else:
         result = run_distvideo(args.child, args)
     if result is not None:
@@ -326,6 +336,8 @@ def report(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
     ratio("cfg2", "single", "text_and_denoise", "cfg=2 text enc. + denoising vs one rank")
     ratio("sp2", "diffusers-ulysses2", "text_and_denoise", "sp=2 text enc. + denoising vs diffusers' Ulysses")
     ratio("sp2", "single", "text_and_denoise", "sp=2 text enc. + denoising vs one rank")
+    ratio("ring2", "diffusers-ring2", "text_and_denoise", "ring=2 text enc. + denoising vs diffusers' ring")
+    ratio("ring2", "single", "text_and_denoise", "ring=2 text enc. + denoising vs one rank")
     ratio("cfg2", "single", "decode", "decode on 2 ranks (cfg2 launch) vs one rank")
     ratio("sp2", "single", "decode", "decode on 2 ranks (sp2 launch) vs one rank")
     ratio("diffusers-ulysses2", "single", "decode", "diffusers' decode under its Ulysses (each rank decodes all)")

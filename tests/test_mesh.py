@@ -178,6 +178,7 @@ def test_mesh_dims(replicas, cfg, sp, dims, replica):
 
 # --- the groups of every layout of 8 ranks, launched ----------------------------------------------------------------
 LAYOUTS = [[2, 2, 2], [1, 2, 4], [4, 2, 1], [2, 1, 4], [4, 1, 2], [1, 1, 8], [8, 1, 1]]  # replicas, cfg, sp
+LAYOUTS += [[2, 1, 4, 2], [1, 2, 4, 2], [1, 2, 4, 4], [1, 1, 8, 2]]  # USP: ..., ring_size (ulysses = sp / ring)
 WORLD = 8
 
 
@@ -205,10 +206,23 @@ def _check(group: dict | None, ranks: list[int] | None) -> None:
 
 @pytest.mark.launcher
 @pytest.mark.slow
-@pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=["r{}xcfg{}xsp{}".format(*x) for x in LAYOUTS])
+def _usp_group_ranks(layout: ParallelLayout) -> tuple[list[list[int]], list[list[int]]]:
+    """(Ulysses groups, ring groups): within an sp group, contiguous runs of ulysses_size ranks, and the ranks of one
+    ulysses_rank (ulysses_size apart)."""
+    u = layout.ulysses_size
+    ulysses = [sp[i : i + u] for sp in layout.sp_group_ranks() for i in range(0, len(sp), u)]
+    ring = [sp[j::u] for sp in layout.sp_group_ranks() for j in range(u)]
+    return ulysses, ring
+
+
+@pytest.mark.parametrize(
+    "index", range(len(LAYOUTS)), ids=["r{}xcfg{}xsp{}".format(*x) + (f"xring{x[3]}" if x[3:] else "") for x in LAYOUTS]
+)
 def test_the_mesh_groups_of_each_layout(launched, index):
-    replicas, cfg, sp = LAYOUTS[index]
-    layout = ParallelLayout(world_size=WORLD, sp_size=sp, cfg_degree=cfg, replicas=replicas)
+    replicas, cfg, sp, *ring = LAYOUTS[index]
+    layout = ParallelLayout(
+        world_size=WORLD, sp_size=sp, cfg_degree=cfg, replicas=replicas, ring_size=ring[0] if ring else 1
+    )
     for rank in range(WORLD):
         seen = launched[rank][index]
         assert seen["layout"] == LAYOUTS[index]
@@ -222,6 +236,9 @@ def test_the_mesh_groups_of_each_layout(launched, index):
         groups = seen["groups"]
         _check(groups["sp"], _mine(layout.sp_group_ranks(), rank) if layout.sp_enabled else None)
         _check(groups["cfg"], _mine(layout.cfg_group_ranks(), rank) if layout.cfg_enabled else None)
+        ulysses, ring_groups = _usp_group_ranks(layout)
+        _check(groups["ulysses"], _mine(ulysses, rank) if layout.ulysses_size > 1 else None)
+        _check(groups["ring"], _mine(ring_groups, rank) if layout.ring_enabled else None)
         replica = _mine(layout.replica_group_ranks(), rank) if layout.replica_size > 1 else None
         _check(groups["replica"], replica)
         _check(groups["replica_cpu"], replica)

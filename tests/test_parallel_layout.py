@@ -44,12 +44,10 @@ def test_resolve_layout(world, sp, cfg, heads, expected):
 LAYOUT_ERRORS = [
     (4, 3, None, 12, ["cfg(1) * sp(3) = 3 != world_size(4)", "sp_size=2, cfg_parallel=True", "sp_size=4"]),
     (3, None, True, 4, ["cfg_parallel=True needs an even world size", "world_size(3)"]),
-    (4, None, None, 3, ["sp_size(2) must divide", "heads(3)", "no layout fits 4 rank(s) and 3 heads"]),
-    (6, None, None, 4, ["sp_size(3) must divide", "heads(4)", "world size among [1, 2, 4, 8]"]),
     (2, 2, True, 4, ["cfg(2) * sp(2) = 4 != world_size(2)", "sp_size=1, cfg_parallel=True"]),
     (4, 8, None, 8, ["cfg(1) * sp(8) = 8 != world_size(4)"]),
     (2, 0, None, 4, ["sp_size(0) must be >= 1"]),
-    (5, None, False, 4, ["sp_size(5) must divide", "heads(4)"]),
+    (5, 2, False, 4, ["cfg(1) * sp(2) = 2 != world_size(5)", "sp_size=5, cfg_parallel=False"]),
 ]
 
 
@@ -59,6 +57,52 @@ def test_layout_errors_show_the_numbers(world, sp, cfg, heads, fragments):
         resolve_layout(world, sp_size=sp, cfg_parallel=cfg, num_heads=heads)
     for fragment in fragments:
         assert fragment in str(info.value), str(info.value)
+
+
+# USP: (world, keyword arguments) -> (cfg, ulysses, ring); with only sp, Ulysses takes the largest divisor of the
+# heads that divides sp and ring attention the rest, so a head count that sp does not divide is no longer refused
+USP_LAYOUTS = [
+    (4, dict(num_heads=3), (2, 1, 2)),
+    (6, dict(num_heads=4), (2, 1, 3)),
+    (8, dict(num_heads=6, cfg_parallel=False), (1, 2, 4)),
+    (8, dict(num_heads=12), (2, 4, 1)),  # Ulysses alone where it fits: today's layouts unchanged
+    (4, dict(num_heads=4, cfg_parallel=False, ring_size=4), (1, 1, 4)),
+    (4, dict(num_heads=4, ulysses_size=2, ring_size=2), (1, 2, 2)),  # both given: sp = 4, cfg follows
+    (8, dict(num_heads=4, cfg_parallel=True, ulysses_size=2), (2, 2, 2)),
+    (4, dict(num_heads=4, sp_size=2, ring_size=2), (2, 1, 2)),
+    (2, dict(num_heads=4, ring_size=2), (1, 1, 2)),  # automatic CFG would leave sp 1: off
+    (4, dict(num_heads=4, ring_size=2), (2, 1, 2)),
+    (4, dict(num_heads=4, ring_size=4), (1, 1, 4)),
+]
+
+
+@pytest.mark.parametrize(("world", "kwargs", "expected"), USP_LAYOUTS)
+def test_usp_layouts(world, kwargs, expected):
+    layout = resolve_layout(world, **kwargs)
+    assert (layout.cfg_degree, layout.ulysses_size, layout.ring_size) == expected
+    assert layout.ulysses_size * layout.ring_size == layout.sp_size
+
+
+USP_ERRORS = [
+    (4, dict(sp_size=4, ulysses_size=2, ring_size=1), "ulysses_size(2) * ring_size(1) = 2 != sp_size(4)"),
+    (4, dict(ring_size=0), "ring_size(0) must be >= 1"),
+    (4, dict(ulysses_size=-1), "ulysses_size(-1) must be >= 1"),
+    (4, dict(cfg_parallel=False, ring_size=3), "ring_size(3) must divide sp_size(4)"),
+    (4, dict(num_heads=3, sp_size=4, ulysses_size=2), "ulysses_size(2) must divide the model's attention heads(3)"),
+]
+
+
+@pytest.mark.parametrize(("world", "kwargs", "fragment"), USP_ERRORS)
+def test_usp_errors_name_the_option(world, kwargs, fragment):
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        resolve_layout(world, **kwargs)
+
+
+def test_usp_rank_order():
+    layout = ParallelLayout(world_size=8, sp_size=4, cfg_degree=2, ring_size=2)
+    # sp_rank = ring_rank * ulysses + ulysses_rank: Ulysses pairs contiguous, ring pairs ulysses_size apart
+    assert [(layout.ring_rank(r), layout.ulysses_rank(r)) for r in range(4)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert layout.describe() == "world 8 = cfg 2 x sp 4 (ulysses 2 x ring 2)"
 
 
 def test_layout_rank_order_and_groups():
@@ -71,7 +115,7 @@ def test_layout_rank_order_and_groups():
 
 def test_valid_layouts():
     assert valid_layouts(4, 4) == [(2, 2), (1, 4)]
-    assert valid_layouts(6, 4) == []
+    assert valid_layouts(6, 4) == [(2, 3), (1, 6)]  # ring attention takes what the heads do not divide
     assert valid_layouts(3) == [(1, 3)]
 
 
@@ -176,7 +220,8 @@ def test_conv_row_halo_refuses_non_same_convolutions(kernel, stride, padding):
     [
         (dict(executor="inline", sp_size=2), "cfg(1) * sp(2) = 2 != world_size(1)"),
         (dict(executor="inline", cfg_parallel=True), "cfg_parallel=True needs an even world size"),
-        (dict(executor="mp", num_gpus=6), "sp_size(3) must divide the model's attention heads(4)"),
+        (dict(executor="mp", num_gpus=4, sp_size=4, ulysses_size=4, ring_size=2), "ulysses_size=4 x ring_size=2"),
+        (dict(executor="mp", num_gpus=4, ring_size=0), "ring_size=0 must be a whole number >= 1"),
         (dict(executor="mp", num_gpus=4, sp_size=3), "cfg(1) * sp(3) = 3 != world_size(4)"),
     ],
 )

@@ -67,6 +67,12 @@ class EngineConfig:
     num_gpus: int | None = _option("number of ranks (default 1, or the launcher's world size)")
     executor: str = _option("how ranks exist", "auto", choices=EXECUTORS)
     sp_size: int | None = _option("sequence-parallel degree (default: automatic)")
+    # -- USP: sp_size = ulysses_size x ring_size (parallel/ring.py) --
+    ulysses_size: int | None = _option(
+        "Ulysses share of sp_size, must divide the heads (default: the largest divisor of the heads that divides sp)"
+    )
+    ring_size: int | None = _option("ring-attention share of sp_size (default: sp_size / ulysses_size)")
+    # -- end USP --
     replicas: int | None = _option(
         "data-parallel replicas for batch jobs: world = replicas x cfg x sp (default 1, or derived from fixed cfg/sp)"
     )
@@ -139,6 +145,7 @@ class EngineConfig:
             raise ConfigError(f"sp_size={self.sp_size} must be >= 1")
         if self.replicas is not None and self.replicas < 1:
             raise ConfigError(f"replicas={self.replicas} must be >= 1")
+        self._validate_usp()
         if self.dist_timeout is not None and not (self.dist_timeout > 0 and math.isfinite(self.dist_timeout)):
             raise ConfigError(f"dist_timeout={self.dist_timeout} must be a positive, finite number of seconds")
         for spec in self.lora:
@@ -148,6 +155,19 @@ class EngineConfig:
                 raise ConfigError(
                     f"lora target {spec.target!r} for {spec.path}: choose one of {', '.join(LORA_TARGETS)}"
                 )
+
+    def _validate_usp(self) -> None:
+        """ulysses_size and ring_size: whole numbers >= 1 multiplying to sp_size (when all are given)."""
+        for name in ("ulysses_size", "ring_size"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{name}={value!r} must be a whole number >= 1 (sp_size = ulysses_size x ring_size)")
+        u, r, sp = self.ulysses_size, self.ring_size, self.sp_size
+        if u is not None and r is not None and sp is not None and u * r != sp:
+            raise ConfigError(
+                f"ulysses_size={u} x ring_size={r} = {u * r} != sp_size={sp}; give sp_size = ulysses_size x "
+                "ring_size, or leave one of them unset"
+            )
 
 
 def _default(value: bool | None, default: Any) -> bool:

@@ -2,9 +2,9 @@
 
 usage: mesh_groups.py OUT_DIR LAYOUTS_JSON
 
-LAYOUTS_JSON is a list of [replicas, cfg_degree, sp_size]. For each layout every rank builds its ParallelGroups and
+LAYOUTS_JSON is a list of [replicas, cfg_degree, sp_size] or [replicas, cfg_degree, sp_size, ring_size] (USP). For each layout every rank builds its ParallelGroups and
 records, into OUT_DIR/rank<rank>.json: the mesh's dimension names and rank grid, the global ranks of each of its
-groups (sp, cfg, replica, replica_cpu and the decode's prefix groups), the sum of the global ranks all-reduced over
+groups (sp, cfg, replica, replica_cpu, ulysses, ring and the decode's prefix groups), the sum of the global ranks all-reduced over
 each group (a real collective: it shows who actually talks to whom), and each group's timeout.
 """
 
@@ -42,13 +42,16 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=TIMEOUT)
     world = dist.get_world_size()
     report = []
-    for replicas, cfg, sp in layouts:
-        layout = ParallelLayout(world_size=world, sp_size=sp, cfg_degree=cfg, replicas=replicas)
+    for replicas, cfg, sp, *ring in layouts:
+        layout = ParallelLayout(
+            world_size=world, sp_size=sp, cfg_degree=cfg, replicas=replicas, ring_size=ring[0] if ring else 1
+        )
         groups = ParallelGroups.create(layout, timeout=TIMEOUT)
         named = {"sp": groups.sp, "cfg": groups.cfg, "replica": groups.replica, "replica_cpu": groups.replica_cpu}
+        named.update(ulysses=groups.ulysses, ring=groups.ring)
         report.append(
             {
-                "layout": [replicas, cfg, sp],
+                "layout": [replicas, cfg, sp, *ring],
                 "dims": list(groups.mesh.mesh_dim_names or ()),
                 "grid": groups.mesh.mesh.tolist(),
                 "groups": {name: describe(group) for name, group in named.items()},

@@ -3,7 +3,7 @@
 usage: run_cases.py CASES_JSON OUT_DIR
 
 CASES_JSON holds a list of engines, each {"name", "model", "sp_size", "cfg_parallel", "requests": [{"name",
-"kwargs"}]}. Every engine is a VideoGenerator on the external executor (all alive at once, so one launch serves
+"kwargs"}]} and optionally "ulysses_size" and "ring_size" (USP). Every engine is a VideoGenerator on the external executor (all alive at once, so one launch serves
 them all). Rank 0 saves each request's frames as OUT_DIR/<engine>-<request>.npy and writes OUT_DIR/report.json with
 the collectives counted per request: real calls of torch.distributed.all_to_all_single (patched here) and the plans'
 own counters. An engine may also ask for "decode_checks": latent shapes decoded with the banded decoder and on one
@@ -45,7 +45,9 @@ def plan_counts(worker: Any) -> dict[str, Any]:
         "context": dict(p.counts),
         "ulysses": dict(p.ulysses.counts) if p.ulysses is not None else {},
         "vae": dict(p.vae_decoder.counts),
+        "ring": dict(p.ulysses.ring.counts) if p.ulysses is not None and p.ulysses.ring is not None else {},
         "layout": [p.layout.world_size, p.layout.cfg_degree, p.layout.sp_size],
+        "usp": [p.layout.ulysses_size, p.layout.ring_size],
     }
 
 
@@ -53,6 +55,8 @@ def reset_counts(worker: Any) -> None:
     p = worker.parallel
     for counter in (p.counts, p.vae_decoder.counts, *([p.ulysses.counts] if p.ulysses is not None else [])):
         counter.clear()
+    if p.ulysses is not None and p.ulysses.ring is not None:
+        p.ulysses.ring.counts.clear()
 
 
 def decode_check(worker: Any, shape: list[int], seed: int) -> float | None:
@@ -99,7 +103,12 @@ def main() -> None:
         for case in cases:
             gen = stack.enter_context(
                 VideoGenerator.from_pretrained(
-                    case["model"], executor="external", sp_size=case["sp_size"], cfg_parallel=case["cfg_parallel"]
+                    case["model"],
+                    executor="external",
+                    sp_size=case["sp_size"],
+                    cfg_parallel=case["cfg_parallel"],
+                    ulysses_size=case.get("ulysses_size"),
+                    ring_size=case.get("ring_size"),
                 )
             )
             for request in case["requests"]:

@@ -100,6 +100,8 @@ def environment(
         "world_size": gen.world_size,
         "executor": gen.config.executor,
         "sp_size": gen.engine.layout.sp_size,
+        "ulysses_size": gen.engine.layout.ulysses_size,
+        "ring_size": gen.engine.layout.ring_size,
         "cfg_parallel": gen.engine.layout.cfg_enabled,
         "memory_metric": runs[0]["distvideo"]["memory_metric"] if runs else None,
         "matmul": {

@@ -69,6 +69,8 @@ def resolve_engine(config: EngineConfig, environ: Mapping[str, str] | None = Non
         cfg_parallel=config.cfg_parallel,
         num_heads=model.num_attention_heads,
         replicas=config.replicas,
+        ulysses_size=config.ulysses_size,
+        ring_size=config.ring_size,
     )
     logger.debug("executor %s, parallel layout: %s", kind, layout.describe())
     config = dataclasses.replace(config, executor=kind).with_defaults()

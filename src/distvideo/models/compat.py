@@ -73,6 +73,8 @@ def check_private_names() -> None:
         missing.append(f"torch.nn.Conv3d._conv_forward (torch {torch.__version__})")
     if not hasattr(nn.Module, "_compiled_call_impl"):
         missing.append(f"torch.nn.Module._compiled_call_impl (torch {torch.__version__})")
+    if not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        missing.append(f"torch.ops.aten._scaled_dot_product_flash_attention_for_cpu (torch {torch.__version__})")
     if missing:
         (lo_major, lo_minor), (hi_major, hi_minor) = TESTED_DIFFUSERS
         raise UnsupportedLibraryError(
@@ -202,3 +204,24 @@ def compile_seconds() -> float:
     except ImportError:
         return 0.0
     return float(calculate_time_spent().get("total_wall_time", 0.0))
+
+
+# --- attention that also returns its log-sum-exp (ring attention's blocks) ------------------------------------------
+def attention_with_lse(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(softmax(q k^T / sqrt(D)) v, logsumexp of the scaled scores) for (B, S, H, D) tensors: the output (B, S_q, H, D)
+    in float32 and the LSE (B, S_q, H) in float32. On CPU torch's private flash kernel (the one public
+    `scaled_dot_product_attention` runs there, so a single block equals it bit for bit); on CUDA its private
+    memory-efficient kernel, which returns the LSE; elsewhere plain torch math with float32 accumulation."""
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (B, H, S, D)
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v)
+    elif q.device.type == "cuda":
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True)[:2]
+        lse = lse[..., : q.shape[2]]  # some releases pad the LSE's sequence to a multiple of 32
+    else:
+        scores = (q.float() @ k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
+        lse = torch.logsumexp(scores, dim=-1)
+        out = torch.exp(scores - lse.unsqueeze(-1)) @ v.float()
+    return out.transpose(1, 2).float(), lse.transpose(1, 2).float()

@@ -17,6 +17,7 @@ from distvideo.parallel.cfg import cfg_parallel_noise, texts_for_branch
 from distvideo.parallel.collectives import broadcast_tensors
 from distvideo.parallel.groups import ParallelGroups
 from distvideo.parallel.layout import ParallelLayout
+from distvideo.parallel.ring import RingAttention
 from distvideo.parallel.ulysses import UlyssesPlan
 from distvideo.parallel.vae import MIN_BAND_ROWS, BandedVaeDecoder
 
@@ -36,7 +37,7 @@ class ParallelContext:
         self.rank = groups.rank
         self.device = device
         self.counts: Counter[str] = Counter()
-        self.ulysses = UlyssesPlan(groups.sp, self.layout.sp_size, groups.sp_rank) if self.layout.sp_enabled else None
+        self.ulysses = self._sequence_plan("transformer") if self.layout.sp_enabled else None
         # the decode spans this rank's replica: band index = the rank's place in it, the video lands on its first rank
         self.vae_decoder = BandedVaeDecoder(
             groups.prefix_group, groups.replica_rank, self.layout.replica_size, min_band_rows
@@ -59,13 +60,30 @@ class ParallelContext:
             for name in transformers:
                 ulysses = self.ulysses
                 if name != ulysses.component:
-                    first = self.ulysses
-                    ulysses = UlyssesPlan(
-                        first.group, first.sp_size, first.sp_rank, component=name, counts=first.counts
-                    )
+                    ulysses = self._sequence_plan(name, self.ulysses)
                 plans += [ulysses, TextProjectionMemo(self.counts, component=name)]
         plans.append(self.vae_decoder)
         return plans
+
+    def _sequence_plan(self, component: str, first: UlyssesPlan | None = None) -> UlyssesPlan:
+        """The sequence-parallel plan of one transformer: Ulysses over ``sp``, or USP (Ulysses over ``ulysses``,
+        ring attention over ``ring``). A second expert's plan counts into the `first` one's counters."""
+        groups, layout = self.groups, self.layout
+        counts = first.counts if first is not None else None
+        ring = None
+        if layout.ring_enabled:
+            ring_counts = first.ring.counts if first is not None and first.ring is not None else None
+            ring = RingAttention(groups.ring, layout.ring_size, groups.ring_rank, ring_counts)
+        return UlyssesPlan(
+            groups.sp,
+            layout.sp_size,
+            groups.sp_rank,
+            component=component,
+            counts=counts,
+            ulysses_group=groups.ulysses,
+            ulysses_size=layout.ulysses_size,
+            ring=ring,
+        )
 
     @property
     def cfg_parallel(self) -> bool:

@@ -10,6 +10,11 @@ coordinate: the dimension ``cfg_sp`` of a second mesh, (replica, cfg_sp). torch 
 private method (``DeviceMesh._flatten``), so the second mesh is built with the public ``init_device_mesh`` instead;
 it is needed only when both cfg and sp are on (otherwise the replica is the ``sp`` or the ``cfg`` dimension).
 
+Under USP (``sp = ulysses x ring``, both above 1) a third mesh splits ``sp`` into ``ring`` (outer) and ``ulysses``
+(inner), (replica, cfg, ring, ulysses), for the same reason (no public way to unflatten a dimension). With one of
+them of degree 1 the other is the ``sp`` dimension itself: pure ring attention passes its key/value blocks over
+``sp``, pure Ulysses runs its all-to-alls over ``sp``.
+
 The control messages (the stop check after a step, the memory check of a request) are CPU tensors over the replica's
 ranks, so the replica's dimension has a gloo twin when the device backend is not gloo; on CPU the device groups are
 gloo already and the twin is the same group.
@@ -38,6 +43,7 @@ logger = logging.getLogger(__name__)
 
 MESH_DIMS = ("replica", "cfg", "sp")  # the layout's rank order: rank = (replica * cfg + cfg_rank) * sp + sp_rank
 REPLICA_DIMS = ("replica", "cfg_sp")  # cfg_sp: the ranks of one replica, cfg and sp flattened in the same order
+USP_DIMS = ("replica", "cfg", "ring", "ulysses")  # sp split: sp_rank = ring_rank * ulysses_size + ulysses_rank
 
 
 def mesh_dims(layout: ParallelLayout) -> dict[str, int]:
@@ -50,6 +56,17 @@ def replica_mesh_dims(layout: ParallelLayout) -> dict[str, int]:
     """The dimensions of the (replica, cfg_sp) mesh: cfg_sp holds the ranks of one replica."""
     degrees = {"replica": layout.replicas, "cfg_sp": layout.replica_size}
     return {name: degrees[name] for name in REPLICA_DIMS if degrees[name] > 1}
+
+
+def usp_mesh_dims(layout: ParallelLayout) -> dict[str, int]:
+    """The dimensions of the (replica, cfg, ring, ulysses) mesh; those of degree 1 are left out."""
+    degrees = {
+        "replica": layout.replicas,
+        "cfg": layout.cfg_degree,
+        "ring": layout.ring_size,
+        "ulysses": layout.ulysses_size,
+    }
+    return {name: degrees[name] for name in USP_DIMS if degrees[name] > 1}
 
 
 def replica_dim(layout: ParallelLayout) -> str | None:
@@ -97,6 +114,7 @@ class ParallelGroups:
     replica_mesh: DeviceMesh | None  # the mesh holding replica_dim (device backend); None for replicas of one rank
     replica_mesh_cpu: DeviceMesh | None  # its gloo twin, dims replica x cfg_sp (the same mesh on CPU)
     timeout: timedelta | None = None
+    usp_mesh: DeviceMesh | None = None  # dims replica x cfg x ring x ulysses, when both ring and ulysses are > 1
     _prefix_groups: dict[int, Any] = field(default_factory=dict)
 
     @classmethod
@@ -125,8 +143,11 @@ class ParallelGroups:
             if replica_mesh is not None:
                 gloo = backend == "gloo"  # on CPU the device groups are the twins
                 replica_mesh_cpu = replica_mesh if gloo else build("cpu", replica_mesh_dims(layout), "gloo")
+            usp_mesh = None
+            if layout.ring_enabled and layout.ulysses_size > 1:
+                usp_mesh = build(device_type, usp_mesh_dims(layout), backend)
         logger.debug("rank %d: process groups for %s (%s): %s", rank, layout.describe(), backend, mesh)
-        groups = cls(layout, rank, backend, mesh, replica_mesh, replica_mesh_cpu, timeout)
+        groups = cls(layout, rank, backend, mesh, replica_mesh, replica_mesh_cpu, timeout, usp_mesh=usp_mesh)
         if layout.replicas > 1:
             for size in range(2, layout.replica_size):  # the decode's prefix groups, now rather than mid-request
                 groups.prefix_group(size)
@@ -137,6 +158,30 @@ class ParallelGroups:
     def sp(self) -> Any:
         """This rank's sequence-parallel group: mesh dimension ``sp`` (None when sp_size == 1)."""
         return self.mesh.get_group("sp") if self.layout.sp_enabled else None
+
+    @property
+    def ulysses(self) -> Any:
+        """This rank's Ulysses group (the all-to-alls): ``ulysses`` of the USP mesh, or ``sp`` without ring
+        attention (None when the Ulysses degree is 1)."""
+        if self.layout.ulysses_size == 1:
+            return None
+        return self.usp_mesh.get_group("ulysses") if self.usp_mesh is not None else self.sp
+
+    @property
+    def ring(self) -> Any:
+        """This rank's ring group (the key/value passes, group rank = ring_rank): ``ring`` of the USP mesh, or
+        ``sp`` without Ulysses (None without ring attention)."""
+        if not self.layout.ring_enabled:
+            return None
+        return self.usp_mesh.get_group("ring") if self.usp_mesh is not None else self.sp
+
+    @property
+    def ulysses_rank(self) -> int:
+        return self.layout.ulysses_rank(self.rank)
+
+    @property
+    def ring_rank(self) -> int:
+        return self.layout.ring_rank(self.rank)
 
     @property
     def cfg(self) -> Any:

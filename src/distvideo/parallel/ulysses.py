@@ -12,6 +12,9 @@ processor change what flows through it:
 - ``attn1`` of every block: :class:`UlyssesAttnProcessor` projects q, k, v for the local tokens and all heads, moves
   them with ONE all-to-all to all tokens and heads/sp (heads scattered, sequence gathered), attends, and moves the
   output back with one more; padded key positions are cut off before attention, so they never take part;
+- under USP (``sp = ulysses x ring``, parallel/ring.py) the all-to-alls run over the Ulysses group only (none when
+  its degree is 1), which leaves each rank one contiguous chunk of the sequence, and the attention is ring
+  attention over the ring group instead of one local call; the plan is then named ``usp``;
 - ``attn2`` (cross-attention) is unchanged: local tokens against the full text, no communication;
 - ``proj_out`` hook: all-gather the shards and drop the padding, before the model unpatchifies.
 """
@@ -29,6 +32,7 @@ import torch.distributed as dist
 
 from distvideo.models import compat
 from distvideo.parallel.collectives import collective
+from distvideo.parallel.ring import RingAttention
 
 logger = logging.getLogger(__name__)
 
@@ -140,13 +144,17 @@ class UlyssesAttnProcessor:
             query = apply_wan_rotary(query, *rotary_emb)
             key = apply_wan_rotary(key, *rotary_emb)
 
-        # (B, S/sp, H, D) x3 -> (B, S, H/sp, D) x3, in one all-to-all
-        query, key, value = self.plan.scatter_heads_gather_sequence(torch.stack([query, key, value]))
-        seq_len = self.plan.shard.seq_len
-        key, value = key[:, :seq_len], value[:, :seq_len]  # padded keys take no part in attention
-
-        out = compat.dispatch_attention(query, key, value, self._attention_backend)
-        out = self.plan.scatter_sequence_gather_heads(out)  # (B, S, H/sp, D) -> (B, S/sp, H, D)
+        plan = self.plan
+        if plan.ulysses_size > 1:  # (B, S/sp, H, D) x3 -> (B, S/ring, H/ulysses, D) x3, in one all-to-all
+            query, key, value = plan.scatter_heads_gather_sequence(torch.stack([query, key, value]))
+        seq_len = plan.shard.seq_len
+        if plan.ring is not None:  # this rank's chunk of queries against every chunk of keys, around the ring
+            out = plan.ring(query, key, value, seq_len)
+        else:
+            key, value = key[:, :seq_len], value[:, :seq_len]  # padded keys take no part in attention
+            out = compat.dispatch_attention(query, key, value, self._attention_backend)
+        if plan.ulysses_size > 1:
+            out = plan.scatter_sequence_gather_heads(out)  # (B, S/ring, H/ulysses, D) -> (B, S/sp, H, D)
         out = out.flatten(2, 3).type_as(query)
         out = attn.to_out[0](out)
         projected: torch.Tensor = attn.to_out[1](out)  # attn: diffusers' Attention, not annotated
@@ -162,10 +170,11 @@ class UlyssesPlan:
 
     `group` is the ``sp`` dimension of the layout's mesh (ParallelGroups.sp). `counts` records the collectives issued
     ("all_to_all", "all_gather"), so tests can check there are exactly two all-to-alls per self-attention layer.
+    Under USP `ulysses_group` (of `ulysses_size` ranks) carries the all-to-alls and `ring` the attention across the
+    ring group; without them Ulysses spans the whole ``sp`` group.
     """
 
     component = "transformer"
-    name = "ulysses"
 
     def __init__(
         self,
@@ -175,6 +184,9 @@ class UlyssesPlan:
         *,
         component: str = "transformer",
         counts: Counter[str] | None = None,
+        ulysses_group: Any = None,
+        ulysses_size: int | None = None,
+        ring: RingAttention | None = None,
     ):
         if sp_size < 2:
             raise ValueError(f"Ulysses needs sp_size >= 2, got {sp_size}")
@@ -182,6 +194,13 @@ class UlyssesPlan:
         self.group = group
         self.sp_size = sp_size
         self.sp_rank = sp_rank
+        self.ring = ring
+        self.ulysses_size = sp_size if ulysses_size is None else ulysses_size
+        self.ulysses_group = group if ulysses_group is None and ring is None else ulysses_group
+        ring_size = ring.ring_size if ring is not None else 1
+        if self.ulysses_size * ring_size != sp_size:
+            raise ValueError(f"ulysses_size({self.ulysses_size}) * ring_size({ring_size}) != sp_size({sp_size})")
+        self.name = "usp" if ring is not None else "ulysses"
         self.counts: Counter[str] = counts if counts is not None else Counter()
         self._shard: SequenceShard | None = None
         self._per_token = False  # this forward has a timestep per token
@@ -199,8 +218,8 @@ class UlyssesPlan:
     # -- applying ------------------------------------------------------------------------------------------
     def apply(self, transformer: Any) -> Callable[[], None]:
         heads = int(transformer.config.num_attention_heads)
-        if heads % self.sp_size:
-            raise ValueError(f"sp_size({self.sp_size}) must divide the attention heads({heads})")
+        if heads % self.ulysses_size:
+            raise ValueError(f"ulysses_size({self.ulysses_size}) must divide the attention heads({heads})")
         self._patch_size = tuple(int(p) for p in transformer.config.patch_size)
         self._handles += [
             transformer.register_forward_pre_hook(self._on_model_input, with_kwargs=True),
@@ -275,23 +294,24 @@ class UlyssesPlan:
 
     # -- the two all-to-alls -------------------------------------------------------------------------------
     def scatter_heads_gather_sequence(self, qkv: torch.Tensor) -> torch.Tensor:
-        """(3, B, S/sp, H, D) on each rank -> (3, B, S_padded, H/sp, D): rank j receives heads j*H/sp.. of all."""
+        """(3, B, S/sp, H, D) on each rank -> (3, B, S_padded, H/sp, D): rank j receives heads j*H/sp.. of all. Under
+        USP sp here is the Ulysses degree and S_padded the ring chunk's length."""
         n, b, s_local, heads, d = qkv.shape
-        sp = self.sp_size
+        sp = self.ulysses_size
         send = qkv.reshape(n, b, s_local, sp, heads // sp, d).permute(3, 0, 1, 2, 4, 5).contiguous()
         recv = torch.empty_like(send)  # (sp source ranks, 3, B, S/sp, H/sp, D)
         with collective("a Ulysses all-to-all"):
-            dist.all_to_all_single(recv, send, group=self.group)
+            dist.all_to_all_single(recv, send, group=self.ulysses_group)
         self.counts["all_to_all"] += 1
         return recv.permute(1, 2, 0, 3, 4, 5).reshape(n, b, sp * s_local, heads // sp, d)
 
     def scatter_sequence_gather_heads(self, out: torch.Tensor) -> torch.Tensor:
         """(B, S_padded, H/sp, D) -> (B, S/sp, H, D): the inverse of `scatter_heads_gather_sequence` for one tensor."""
         b, s_padded, heads_local, d = out.shape
-        sp = self.sp_size
+        sp = self.ulysses_size
         send = out.reshape(b, sp, s_padded // sp, heads_local, d).transpose(0, 1).contiguous()
         recv = torch.empty_like(send)  # (sp source ranks = head chunks, B, S/sp, H/sp, D)
         with collective("a Ulysses all-to-all"):
-            dist.all_to_all_single(recv, send, group=self.group)
+            dist.all_to_all_single(recv, send, group=self.ulysses_group)
         self.counts["all_to_all"] += 1
         return recv.permute(1, 2, 0, 3, 4).reshape(b, s_padded // sp, sp * heads_local, d)
