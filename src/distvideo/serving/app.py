@@ -7,7 +7,7 @@ import hmac
 import json
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any, Literal
@@ -15,14 +15,25 @@ from typing import Any, Literal
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.sse import EventSourceResponse
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 
 from distvideo.serving import metrics
 from distvideo.serving.admission import Admission, ApiError
+from distvideo.serving.events import JobEvents
 from distvideo.serving.http_errors import ERROR_RESPONSE, BodyLimit, from_validation, install_error_handlers
 from distvideo.serving.jobs import OK, QueuedJob, QueueFull, Service, ServiceClosed
-from distvideo.serving.schemas import Health, ModelCard, ModelList, Video, VideoCreate, VideoDeleted, VideoList
+from distvideo.serving.schemas import (
+    Health,
+    ModelCard,
+    ModelList,
+    Video,
+    VideoCreate,
+    VideoDeleted,
+    VideoEvent,
+    VideoList,
+)
 from distvideo.serving.store import COMPLETED, IN_PROGRESS, QUEUED, JobRecord, JobStore
 
 
@@ -34,6 +45,7 @@ class AppContext:
     cancel_running: Callable[[str], bool]  # the engine loop's cancel(job_id)
     executor: str
     world_size: int
+    events: JobEvents
     api_key: str | None = None
     max_body_bytes: int = 16 * 1024 * 1024
 
@@ -92,6 +104,7 @@ def create_app(ctx: AppContext) -> FastAPI:
     _add_service_routes(app, ctx, guard)
     _add_create_route(app, ctx, guard)
     _add_read_routes(app, ctx, guard)
+    _add_events_route(app, ctx, guard)
     _add_delete_route(app, ctx, guard)
 
     def _custom_openapi() -> dict[str, Any]:
@@ -270,6 +283,23 @@ def _add_read_routes(app: FastAPI, ctx: AppContext, guard: Guard) -> None:
         if "/" in record.file or not path.is_file():
             raise ApiError(404, f"the file of video {video_id} is gone from the output folder", code="file_missing")
         return FileResponse(path, media_type="video/mp4", filename=f"{video_id}.mp4")
+
+
+def _add_events_route(app: FastAPI, ctx: AppContext, guard: Guard) -> None:
+    def job(video_id: str) -> JobRecord:  # a dependency: an unknown id is a 404 before the stream starts
+        return _record(ctx, video_id)
+
+    @app.get(
+        "/v1/videos/{video_id}/events",
+        response_class=EventSourceResponse,
+        dependencies=guard.dependencies,
+        responses={**guard.errors_as_json, 404: ERROR_RESPONSE},
+    )
+    async def video_events(record: JobRecord = Depends(job)) -> AsyncIterator[VideoEvent]:
+        """Server-sent events of the job: what happened so far, then each change as it happens (queued, started,
+        progress after every denoising step), until it completed or failed."""
+        async for event in ctx.events.follow(record):
+            yield VideoEvent.model_validate(event)
 
 
 def _record(ctx: AppContext, video_id: str) -> JobRecord:
