@@ -293,7 +293,11 @@ def _add_events_route(app: FastAPI, ctx: AppContext, guard: Guard) -> None:
         "/v1/videos/{video_id}/events",
         response_class=EventSourceResponse,
         dependencies=guard.dependencies,
-        responses={**guard.errors_as_json, 404: ERROR_RESPONSE},
+        # the route's own type is text/event-stream; its errors are JSON like every other route's
+        responses={
+            **guard.errors_as_json,
+            404: {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}},
+        },
     )
     async def video_events(record: JobRecord = Depends(job)) -> AsyncIterator[VideoEvent]:
         """Server-sent events of the job: what happened so far, then each change as it happens (queued, started,
