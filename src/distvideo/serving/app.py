@@ -46,7 +46,7 @@ class AppContext:
     executor: str
     world_size: int
     events: JobEvents
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()  # none: no key required
     max_body_bytes: int = 16 * 1024 * 1024
 
 
@@ -62,6 +62,21 @@ def _form_schema() -> dict[str, Any]:
     properties["lora"] = {"type": "string", "description": 'JSON text, e.g. {"name": "style", "strength": 0.8}'}
     properties["input_reference"] = {"type": "string", "format": "binary", "description": "image for image-to-video"}
     return {"type": "object", "properties": properties, "required": ["prompt"], "additionalProperties": False}
+
+
+def client_of(ctx: AppContext, token: str) -> str | None:
+    """Which client a bearer token is ("key N", N counting from 1 in --api-key, --api-keys-file order); None if it
+    is no key. Every key is compared, in constant time each."""
+    found = None
+    for number, key in enumerate(ctx.api_keys, 1):
+        if hmac.compare_digest(token.encode(), key.encode()):
+            found = f"key {number}"
+    return found
+
+
+def _client(ctx: AppContext, request: Request) -> str:
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return (client_of(ctx, token.strip()) if scheme.lower() == "bearer" else None) or ""
 
 
 @dataclass(frozen=True)
@@ -84,9 +99,9 @@ def create_app(ctx: AppContext) -> FastAPI:
     bearer = HTTPBearer(auto_error=False)
 
     def authorized(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
-        if ctx.api_key is None:
+        if not ctx.api_keys:
             return
-        if credentials is None or not hmac.compare_digest(credentials.credentials.encode(), ctx.api_key.encode()):
+        if credentials is None or client_of(ctx, credentials.credentials) is None:
             raise ApiError(
                 401,
                 "missing or wrong API key: send 'Authorization: Bearer <key>'",
@@ -97,9 +112,9 @@ def create_app(ctx: AppContext) -> FastAPI:
 
     error_json = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
     guard = Guard(
-        dependencies=[Depends(authorized)] if ctx.api_key else [],
-        errors={401: ERROR_RESPONSE} if ctx.api_key else {},
-        errors_as_json={401: {"content": error_json}} if ctx.api_key else {},  # for routes that answer other types
+        dependencies=[Depends(authorized)] if ctx.api_keys else [],
+        errors={401: ERROR_RESPONSE} if ctx.api_keys else {},
+        errors_as_json={401: {"content": error_json}} if ctx.api_keys else {},  # for routes that answer other types
     )
     _add_service_routes(app, ctx, guard)
     _add_create_route(app, ctx, guard)
@@ -210,7 +225,7 @@ def _add_create_route(app: FastAPI, ctx: AppContext, guard: Guard) -> None:
         )
         lora = None if body.lora is None else (body.lora.name, body.lora.strength)
         try:
-            ctx.service.enqueue(QueuedJob(id=job_id, request=resolved, lora=lora))
+            ctx.service.enqueue(QueuedJob(id=job_id, request=resolved, lora=lora, client=_client(ctx, request)))
         except QueueFull:
             ctx.store.delete(job_id)
             image_path.unlink(missing_ok=True)

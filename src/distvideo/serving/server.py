@@ -49,7 +49,7 @@ class Frontend:
         output.mkdir(parents=True, exist_ok=True)
         self._lock = _lock_output(output)  # one server per store: a second one would fail the first one's jobs
         self.sock = bind(options.host, options.port)  # a taken port fails here, before any weight loads
-        if options.api_key is None and not _loopback(options.host):
+        if not options.api_keys() and not _loopback(options.host):
             logger.warning(
                 "listening on %s without an API key: anyone who reaches this port can submit jobs", options.host
             )
@@ -82,7 +82,7 @@ class Frontend:
             executor=engine.executor,
             world_size=engine.world_size,
             events=self.events,
-            api_key=options.api_key,
+            api_keys=options.api_keys(),
             max_body_bytes=options.max_body_bytes,
         )
         self.http = HttpServer(create_app(ctx), self.sock)
