@@ -7,7 +7,7 @@ import hmac
 import json
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any, Literal
@@ -15,14 +15,25 @@ from typing import Any, Literal
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.sse import EventSourceResponse
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 
 from distvideo.serving import metrics
 from distvideo.serving.admission import Admission, ApiError
+from distvideo.serving.events import JobEvents
 from distvideo.serving.http_errors import ERROR_RESPONSE, BodyLimit, from_validation, install_error_handlers
 from distvideo.serving.jobs import OK, QueuedJob, QueueFull, Service, ServiceClosed
-from distvideo.serving.schemas import Health, ModelCard, ModelList, Video, VideoCreate, VideoDeleted, VideoList
+from distvideo.serving.schemas import (
+    Health,
+    ModelCard,
+    ModelList,
+    Video,
+    VideoCreate,
+    VideoDeleted,
+    VideoEvent,
+    VideoList,
+)
 from distvideo.serving.store import COMPLETED, IN_PROGRESS, QUEUED, JobRecord, JobStore
 
 
@@ -34,7 +45,8 @@ class AppContext:
     cancel_running: Callable[[str], bool]  # the engine loop's cancel(job_id)
     executor: str
     world_size: int
-    api_key: str | None = None
+    events: JobEvents
+    api_keys: tuple[str, ...] = ()  # none: no key required
     max_body_bytes: int = 16 * 1024 * 1024
 
 
@@ -50,6 +62,21 @@ def _form_schema() -> dict[str, Any]:
     properties["lora"] = {"type": "string", "description": 'JSON text, e.g. {"name": "style", "strength": 0.8}'}
     properties["input_reference"] = {"type": "string", "format": "binary", "description": "image for image-to-video"}
     return {"type": "object", "properties": properties, "required": ["prompt"], "additionalProperties": False}
+
+
+def client_of(ctx: AppContext, token: str) -> str | None:
+    """Which client a bearer token is ("key N", N counting from 1 in --api-key, --api-keys-file order); None if it
+    is no key. Every key is compared, in constant time each."""
+    found = None
+    for number, key in enumerate(ctx.api_keys, 1):
+        if hmac.compare_digest(token.encode(), key.encode()):
+            found = f"key {number}"
+    return found
+
+
+def _client(ctx: AppContext, request: Request) -> str:
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return (client_of(ctx, token.strip()) if scheme.lower() == "bearer" else None) or ""
 
 
 @dataclass(frozen=True)
@@ -72,9 +99,9 @@ def create_app(ctx: AppContext) -> FastAPI:
     bearer = HTTPBearer(auto_error=False)
 
     def authorized(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
-        if ctx.api_key is None:
+        if not ctx.api_keys:
             return
-        if credentials is None or not hmac.compare_digest(credentials.credentials.encode(), ctx.api_key.encode()):
+        if credentials is None or client_of(ctx, credentials.credentials) is None:
             raise ApiError(
                 401,
                 "missing or wrong API key: send 'Authorization: Bearer <key>'",
@@ -85,13 +112,14 @@ def create_app(ctx: AppContext) -> FastAPI:
 
     error_json = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
     guard = Guard(
-        dependencies=[Depends(authorized)] if ctx.api_key else [],
-        errors={401: ERROR_RESPONSE} if ctx.api_key else {},
-        errors_as_json={401: {"content": error_json}} if ctx.api_key else {},  # for routes that answer other types
+        dependencies=[Depends(authorized)] if ctx.api_keys else [],
+        errors={401: ERROR_RESPONSE} if ctx.api_keys else {},
+        errors_as_json={401: {"content": error_json}} if ctx.api_keys else {},  # for routes that answer other types
     )
     _add_service_routes(app, ctx, guard)
     _add_create_route(app, ctx, guard)
     _add_read_routes(app, ctx, guard)
+    _add_events_route(app, ctx, guard)
     _add_delete_route(app, ctx, guard)
 
     def _custom_openapi() -> dict[str, Any]:
@@ -197,7 +225,7 @@ def _add_create_route(app: FastAPI, ctx: AppContext, guard: Guard) -> None:
         )
         lora = None if body.lora is None else (body.lora.name, body.lora.strength)
         try:
-            ctx.service.enqueue(QueuedJob(id=job_id, request=resolved, lora=lora))
+            ctx.service.enqueue(QueuedJob(id=job_id, request=resolved, lora=lora, client=_client(ctx, request)))
         except QueueFull:
             ctx.store.delete(job_id)
             image_path.unlink(missing_ok=True)
@@ -270,6 +298,27 @@ def _add_read_routes(app: FastAPI, ctx: AppContext, guard: Guard) -> None:
         if "/" in record.file or not path.is_file():
             raise ApiError(404, f"the file of video {video_id} is gone from the output folder", code="file_missing")
         return FileResponse(path, media_type="video/mp4", filename=f"{video_id}.mp4")
+
+
+def _add_events_route(app: FastAPI, ctx: AppContext, guard: Guard) -> None:
+    def job(video_id: str) -> JobRecord:  # a dependency: an unknown id is a 404 before the stream starts
+        return _record(ctx, video_id)
+
+    @app.get(
+        "/v1/videos/{video_id}/events",
+        response_class=EventSourceResponse,
+        dependencies=guard.dependencies,
+        # the route's own type is text/event-stream; its errors are JSON like every other route's
+        responses={
+            **guard.errors_as_json,
+            404: {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}},
+        },
+    )
+    async def video_events(record: JobRecord = Depends(job)) -> AsyncIterator[VideoEvent]:
+        """Server-sent events of the job: what happened so far, then each change as it happens (queued, started,
+        progress after every denoising step), until it completed or failed."""
+        async for event in ctx.events.follow(record):
+            yield VideoEvent.model_validate(event)
 
 
 def _record(ctx: AppContext, video_id: str) -> JobRecord:

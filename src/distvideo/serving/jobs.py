@@ -21,6 +21,7 @@ class QueuedJob:
     id: str
     request: GenerationRequest  # resolved
     lora: tuple[str, float] | None = None
+    client: str = ""  # who submitted it (which API key): jobs are taken round-robin across clients
 
 
 class QueueFull(Exception):
@@ -43,12 +44,17 @@ class Counters:
 
 
 class Service:
-    """Thread-safe state of one server: a bounded FIFO of admitted jobs, health, the running job and counters."""
+    """Thread-safe state of one server: a bounded queue of admitted jobs, health, the running job and counters.
+
+    The queue is fair across clients: each client (API key) has its own FIFO, and `take` serves the clients in turn,
+    so one client's hundred jobs do not starve another's one. With one client (or none) it is one FIFO. The bound
+    counts every client's jobs together."""
 
     def __init__(self, max_queue: int):
         self.max_queue = max_queue
         self._cond = threading.Condition()
-        self._queue: collections.deque[QueuedJob] = collections.deque()
+        # client -> its jobs in arrival order; the client served next is first (a served client moves to the end)
+        self._queue: collections.OrderedDict[str, collections.deque[QueuedJob]] = collections.OrderedDict()
         self._closed = False
         self.health, self.health_detail = LOADING, "loading the model"
         self.running: str | None = None
@@ -63,20 +69,26 @@ class Service:
             if self._closed:
                 self.counters.rejected["stopping"] += 1
                 raise ServiceClosed(self.health_detail)
-            if len(self._queue) >= self.max_queue:
+            if self._depth() >= self.max_queue:
                 self.counters.rejected["queue_full"] += 1
                 raise QueueFull()
-            self._queue.append(job)
+            self._queue.setdefault(job.client, collections.deque()).append(job)
             self.counters.submitted += 1
             self._cond.notify_all()
-            return len(self._queue) - 1
+            return self._depth() - 1
+
+    def _depth(self) -> int:
+        return sum(len(jobs) for jobs in self._queue.values())
 
     def remove_queued(self, job_id: str) -> bool:
         with self._cond:
-            for job in self._queue:
-                if job.id == job_id:
-                    self._queue.remove(job)
-                    return True
+            for client, jobs in self._queue.items():
+                for job in jobs:
+                    if job.id == job_id:
+                        jobs.remove(job)
+                        if not jobs:
+                            del self._queue[client]
+                        return True
             return False
 
     def request_cancel(self, job_id: str) -> bool:
@@ -96,7 +108,7 @@ class Service:
     @property
     def depth(self) -> int:
         with self._cond:
-            return len(self._queue)
+            return self._depth()
 
     @property
     def accepting(self) -> bool:
@@ -111,7 +123,11 @@ class Service:
                 self._cond.wait()
             if self._closed:
                 return None
-            job = self._queue.popleft()
+            client, jobs = next(iter(self._queue.items()))
+            job = jobs.popleft()
+            del self._queue[client]
+            if jobs:  # this client waits for every other client's turn
+                self._queue[client] = jobs
             self.running, self._cancel_running = job.id, None
             return job
 
@@ -136,7 +152,7 @@ class Service:
             if not (self.health == UNHEALTHY and health != UNHEALTHY):
                 self.health, self.health_detail = health, detail
             self._closed = True
-            left = list(self._queue)
+            left = [job for jobs in self._queue.values() for job in jobs]
             self._queue.clear()
             self._cond.notify_all()
             return left

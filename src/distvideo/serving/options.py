@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from distvideo.errors import ConfigError
@@ -39,6 +40,7 @@ class ServeOptions:
     port: int = 8000  # 0: any free port (the bound one is printed)
     output: str = "outputs"  # videos and the job store
     api_key: str | None = None
+    api_keys_file: str | None = None  # more keys, one per line: each is one client of the fair queue
     max_queue: int = 8
     max_body_bytes: int = 16 * 1024 * 1024
     shutdown_grace: float = 20.0
@@ -56,7 +58,32 @@ class ServeOptions:
             raise ConfigError(f"--shutdown-grace={self.shutdown_grace} must be a finite number of seconds >= 0")
         if self.api_key is not None and len(self.api_key) < 8:
             raise ConfigError("--api-key: use at least 8 characters (DISTVIDEO_API_KEY can hold it instead)")
+        self.api_keys()
         self.limits.validate()
+
+    def api_keys(self) -> tuple[str, ...]:
+        """Every key a request may bring: `--api-key`, then the lines of `--api-keys-file` (blank lines and lines
+        starting with # are skipped). Empty: no key is required."""
+        keys = [self.api_key] if self.api_key else []
+        if self.api_keys_file is not None:
+            keys += _read_keys(Path(self.api_keys_file))
+        if len(set(keys)) != len(keys):
+            raise ConfigError("--api-keys-file: a key is given twice (each key is one client)")
+        return tuple(keys)
+
+
+def _read_keys(path: Path) -> list[str]:
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--api-keys-file {path}: cannot read it ({exc})") from None
+    keys = [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
+    if not keys:
+        raise ConfigError(f"--api-keys-file {path}: no key in it (one key per line)")
+    for number, key in enumerate(keys, 1):
+        if len(key) < 8 or any(c.isspace() for c in key):
+            raise ConfigError(f"--api-keys-file {path}: key {number} must be 8 or more characters without spaces")
+    return keys
 
 
 def _adapter(text: str) -> tuple[str, str]:
@@ -73,6 +100,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--port", type=int, default=d.port, help=f"TCP port (default {d.port}; 0: any free port)")
     group.add_argument("--output", default=d.output, help="folder for the videos and the job store (default outputs/)")
     group.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: DISTVIDEO_API_KEY, or none)")
+    group.add_argument(
+        "--api-keys-file",
+        metavar="PATH",
+        help="more keys, one per line; jobs are taken round-robin across keys, so no client starves another",
+    )
     group.add_argument("--max-queue", type=int, default=d.max_queue, help="jobs that may wait; more get 429")
     group.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="largest request body (413)")
     group.add_argument(
@@ -105,6 +137,7 @@ def options_from_args(args: argparse.Namespace, api_key_default: str | None = No
         port=args.port,
         output=args.output,
         api_key=args.api_key or api_key_default or None,
+        api_keys_file=args.api_keys_file,
         max_queue=args.max_queue,
         max_body_bytes=args.max_body_bytes,
         shutdown_grace=args.shutdown_grace,
@@ -121,6 +154,6 @@ def describe(options: ServeOptions) -> dict[str, Any]:
         "host": options.host,
         "port": options.port,
         "output": options.output,
-        "api_key": "set" if options.api_key else "none",
+        "api_keys": len(options.api_keys()),
         "max_queue": options.max_queue,
     }

@@ -131,7 +131,8 @@ class EngineLoop:
             self.service.finished(job.id, outcome, time.monotonic() - start, timings)
 
     def _progress(self, job_id: str, done: int, total: int) -> None:
-        self.store.set_progress(job_id, min(99, done * 100 // max(total, 1)))  # 100 once the file is written
+        percent = min(99, done * 100 // max(total, 1))  # 100 once the file is written
+        self.store.set_progress(job_id, percent, step=done, steps=total)
         deadline = self._deadline
         if self.service.cancel_requested(job_id) or (deadline is not None and time.monotonic() >= deadline):
             self.gen.cancel()  # inside the request: it stops after this step on every rank

@@ -50,6 +50,19 @@ class VideoError(BaseModel):
     message: str
 
 
+class VideoEvent(BaseModel):
+    """One event of GET /v1/videos/{id}/events: `queued`, `started`, `progress` (after denoising step `step` of
+    `steps`), then `completed` or `failed` (with `error`), which ends the stream."""
+
+    type: Literal["queued", "started", "progress", "completed", "failed"]
+    video_id: str
+    status: Status
+    progress: int = Field(ge=0, le=100)
+    step: int | None = None
+    steps: int | None = None
+    error: VideoError | None = None
+
+
 class LoraApplied(BaseModel):
     name: str
     strength: float

@@ -26,6 +26,7 @@ from distvideo.executors import resolve_engine
 from distvideo.serving.adapters import Adapters
 from distvideo.serving.admission import Admission
 from distvideo.serving.channel import JobChannel
+from distvideo.serving.events import JobEvents
 from distvideo.serving.jobs import UNHEALTHY, Service
 from distvideo.serving.lifecycle import HttpServer, StopSignals, bind
 from distvideo.serving.options import ServeOptions, describe
@@ -48,11 +49,13 @@ class Frontend:
         output.mkdir(parents=True, exist_ok=True)
         self._lock = _lock_output(output)  # one server per store: a second one would fail the first one's jobs
         self.sock = bind(options.host, options.port)  # a taken port fails here, before any weight loads
-        if options.api_key is None and not _loopback(options.host):
+        if not options.api_keys() and not _loopback(options.host):
             logger.warning(
                 "listening on %s without an API key: anyone who reaches this port can submit jobs", options.host
             )
         self.store = JobStore(output / STORE_NAME)
+        self.events = JobEvents()
+        self.store.watch(self.events.publish)
         recovered = self.store.recover("the server stopped before this job finished; submit it again")
         if recovered:
             logger.info("marked %d job(s) left queued or running by the previous server as failed", recovered)
@@ -78,7 +81,8 @@ class Frontend:
             cancel_running=lambda job_id: self.loop is not None and self.loop.cancel(job_id),
             executor=engine.executor,
             world_size=engine.world_size,
-            api_key=options.api_key,
+            events=self.events,
+            api_keys=options.api_keys(),
             max_body_bytes=options.max_body_bytes,
         )
         self.http = HttpServer(create_app(ctx), self.sock)

@@ -12,7 +12,7 @@ import json
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,6 +68,7 @@ class JobStore:
         self._lock = threading.Lock()
         self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)
         self._db.row_factory = sqlite3.Row
+        self._watchers: list[Callable[..., None]] = []
         with self._lock:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
@@ -83,6 +84,19 @@ class JobStore:
                 self._db.execute("ROLLBACK")
                 raise
             self._db.execute("COMMIT")
+
+    def watch(self, on_write: Callable[..., None]) -> None:
+        """Call `on_write(record, step=..., steps=...)` with a job's row after each write to it (events.py); a
+        progress write also passes the denoising step it stands for."""
+        self._watchers.append(on_write)
+
+    def _wrote(self, job_id: str, **extra: int) -> None:
+        if not self._watchers:
+            return
+        record = self.get(job_id)
+        if record is not None:
+            for on_write in self._watchers:
+                on_write(record, **extra)
 
     # -- writes ----------------------------------------------------------------------------------
     def recover(self, reason: str) -> int:
@@ -101,6 +115,7 @@ class JobStore:
                 (record.id, record.status, record.progress, record.model, json.dumps(record.params), record.created_at),
             )
             record.seq = int(cursor.lastrowid or 0)
+        self._wrote(record.id)
         return record
 
     def mark_running(self, job_id: str) -> None:
@@ -108,10 +123,13 @@ class JobStore:
             db.execute(
                 "UPDATE videos SET status=?, started_at=?, progress=0 WHERE id=?", (IN_PROGRESS, time.time(), job_id)
             )
+        self._wrote(job_id)
 
-    def set_progress(self, job_id: str, progress: int) -> None:
+    def set_progress(self, job_id: str, progress: int, *, step: int = 0, steps: int = 0) -> None:
+        """`progress` percent, after denoising step `step` of `steps`."""
         with self._tx() as db:
             db.execute("UPDATE videos SET progress=? WHERE id=? AND status=?", (progress, job_id, IN_PROGRESS))
+        self._wrote(job_id, step=step, steps=steps)
 
     def mark_completed(self, job_id: str, file: str, timings: dict[str, float]) -> None:
         with self._tx() as db:
@@ -119,6 +137,7 @@ class JobStore:
                 "UPDATE videos SET status=?, progress=100, file=?, timings=?, completed_at=? WHERE id=?",
                 (COMPLETED, file, json.dumps(timings), int(time.time()), job_id),
             )
+        self._wrote(job_id)
 
     def mark_failed(self, job_id: str, code: str, message: str) -> None:
         with self._tx() as db:
@@ -126,6 +145,7 @@ class JobStore:
                 "UPDATE videos SET status=?, error_code=?, error_message=?, completed_at=? WHERE id=?",
                 (FAILED, code, message, int(time.time()), job_id),
             )
+        self._wrote(job_id)
 
     def delete(self, job_id: str) -> bool:
         with self._tx() as db:
