@@ -74,7 +74,7 @@ def test_inline_cache_skips_some_steps_and_off_is_unchanged(inline: dict[str, An
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("num_gpus", "sp_size", "cfg"), [(2, 1, True), (2, 2, False), (4, 2, True)])
+@pytest.mark.parametrize(("num_gpus", "sp_size", "cfg"), [(4, 2, True)])  # cfg2 and sp2 alone: under torchrun below
 def test_mp_skips_the_same_steps(model: Path, inline: dict[str, Any], num_gpus: int, sp_size: int, cfg: bool) -> None:
     with VideoGenerator.from_pretrained(
         str(model), executor="mp", device="cpu", num_gpus=num_gpus, sp_size=sp_size, cfg_parallel=cfg
