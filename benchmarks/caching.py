@@ -20,7 +20,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
@@ -57,7 +56,9 @@ def ssim(a: np.ndarray, b: np.ndarray, window: int = 7) -> float:
     return float(s.mean())
 
 
-def diffusers_cache(timer: _DiffusersTimer, method: str | None, threshold: float, steps: int, ratios: list[float]) -> None:
+def diffusers_cache(
+    timer: _DiffusersTimer, method: str | None, threshold: float, steps: int, ratios: list[float]
+) -> None:
     from diffusers import FirstBlockCacheConfig, MagCacheConfig
 
     transformer = timer.pipe.transformer
@@ -88,7 +89,9 @@ def run_steps(args: argparse.Namespace, gen: VideoGenerator, timer: _DiffusersTi
             request = GenerationRequest(prompt=caption.text, seed=args.seed, num_inference_steps=steps)
             if engine == "distvideo":
                 extra = {} if method is None else {"cache": method, "cache_threshold": threshold}
-                result = gen.generate(caption.text, seed=args.seed, num_inference_steps=steps, save_video=False, **extra)
+                result = gen.generate(
+                    caption.text, seed=args.seed, num_inference_steps=steps, save_video=False, **extra
+                )
                 frames, denoising = result.frames, result.timings["denoising"]
                 skipped = len(result.cache["skipped_steps"]) if result.cache else 0
             else:
@@ -105,7 +108,9 @@ def run_steps(args: argparse.Namespace, gen: VideoGenerator, timer: _DiffusersTi
             row["ok"].append(float(check_video(frames, caption).ok))
             row["sk"].append(skipped)
     print(f"\n{steps} steps, {args.captions} captions (seed {args.seed}), load average {os.getloadavg()[0]:.1f}")
-    print("| engine | cache | threshold | skipped steps | denoising (s) | vs uncached | PSNR (dB) | SSIM | captions pass |")
+    print(
+        "| engine | cache | threshold | skipped steps | denoising (s) | vs uncached | PSNR (dB) | SSIM | captions pass |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for (engine, method, threshold), row in rows.items():
         base = statistics.median(rows[(engine, None, 0.0)]["t"])
@@ -129,7 +134,12 @@ def main() -> None:
     parser.add_argument("--thresholds-mag", type=float, nargs="+", default=[0.03, 0.06, 0.12])
     args = parser.parse_args()
     torch.set_num_threads(1)
-    spec = DiffusersSpec(model=str(args.model), device="cpu", dtypes=dict.fromkeys(("transformer", "vae", "text_encoder"), "float32"), threads=1)
+    spec = DiffusersSpec(
+        model=str(args.model),
+        device="cpu",
+        dtypes=dict.fromkeys(("transformer", "vae", "text_encoder"), "float32"),
+        threads=1,
+    )
     timer = _DiffusersTimer(spec)
     start = time.perf_counter()
     with VideoGenerator.from_pretrained(str(args.model), device="cpu", executor="inline") as gen:

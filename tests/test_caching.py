@@ -102,7 +102,9 @@ def test_torchrun_every_rank_skips_the_same_steps(
     }
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     script = REPO / "tests" / "parallel_scripts" / "cache_cases.py"
-    proc = run_launcher("torchrun", [str(script), str(tmp_path / "cases.json"), str(tmp_path)], nproc=nproc, timeout=300)
+    proc = run_launcher(
+        "torchrun", [str(script), str(tmp_path / "cases.json"), str(tmp_path)], nproc=nproc, timeout=300
+    )
     assert proc.returncode == 0, format_output(proc)
     for engine, _, _ in engines:
         for name in REQUESTS:

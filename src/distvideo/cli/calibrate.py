@@ -15,7 +15,9 @@ CALIBRATION_PROMPT = "a red fox running through fresh snow in a forest, cinemati
 def add_calibrate_parser(sub: Any) -> None:
     cal = sub.add_parser("calibrate", help="store MagCache's ratios for the model and a step count (--cache mag)")
     add_engine_arguments(cal)
-    cal.add_argument("--steps", dest="num_inference_steps", type=int, default=None, help="step count (default: the model's)")
+    cal.add_argument(
+        "--steps", dest="num_inference_steps", type=int, default=None, help="step count (default: the model's)"
+    )
     cal.add_argument("--prompt", default=CALIBRATION_PROMPT, help="the prompt of the calibration run")
     cal.add_argument("--seed", type=int, default=0, help="noise seed of the calibration run")
 

@@ -219,7 +219,9 @@ def _first_block(
 
 
 # --- building a session for a request -------------------------------------------------------------------------------
-def session_for(request: GenerationRequest, ratios: list[float], parallel: Any, do_cfg: bool) -> StepCacheSession | None:
+def session_for(
+    request: GenerationRequest, ratios: list[float], parallel: Any, do_cfg: bool
+) -> StepCacheSession | None:
     """The session of a resolved request (None with the cache off), with the reduction over this rank's sp group and
     CFG pair when `parallel` (a ParallelContext) has them."""
     if request.cache in (None, "none"):
@@ -258,7 +260,7 @@ def session_for(request: GenerationRequest, ratios: list[float], parallel: Any, 
 def cache_slot(pipeline: Any) -> CacheSlot | None:
     """The slot shared by the step-cache plans on the pipeline's transformers, the plans applied at the first cached
     request (so a pipeline that never caches carries none); None under --compile, which the plan does not serve."""
-    from distvideo.models.plans import apply_plan, applied_plans, get_plan
+    from distvideo.models.plans import applied_plans, apply_plan, get_plan
 
     names = pipeline.model.family.transformers
     modules = [getattr(pipeline, name) for name in names]
