@@ -148,3 +148,25 @@ def test_cli_exits_2_naming_the_option(
     code = main(["generate", "--model", str(model), "--device", "cpu", "--prompt", PROMPT, *argv])
     assert code == EXIT_BAD_INPUT
     assert needle in capsys.readouterr().err
+
+
+def test_two_experts_reset_at_the_boundary_and_image_to_video_caches(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Wan2.2 A14B: the first low-noise step is computed however high the threshold (the cache is forgotten at the
+    switch); Wan2.1 I2V caches like text-to-video."""
+    from family_checkpoints import family_checkpoint, test_image
+
+    # UniPC with shift 12 at 6 steps: 4 high-noise steps (t >= 875), then the low-noise expert from step 4
+    moe = family_checkpoint(tmp_path_factory, "wan22_t2v_a14b")
+    kwargs = dict(num_frames=5, height=32, width=48, num_inference_steps=6, guidance_scale=4.0, seed=2)
+    with VideoGenerator.from_pretrained(str(moe), device="cpu", executor="inline") as gen:
+        result = gen.generate(PROMPT, save_video=False, cache="first-block", cache_threshold=1e6, **kwargs)
+    boundary = 4  # with a threshold no change reaches, only the switch makes a step computed
+    assert result.cache["skipped_steps"] == [s for s in range(1, 6) if s != boundary], result.cache
+    i2v = family_checkpoint(tmp_path_factory, "wan21_i2v")
+    image = test_image(tmp_path_factory)
+    kwargs = dict(image=str(image), num_frames=5, height=48, width=80, num_inference_steps=4, seed=1)
+    with VideoGenerator.from_pretrained(str(i2v), device="cpu", executor="inline") as gen:
+        off = gen.generate(PROMPT, save_video=False, **kwargs)
+        cached = gen.generate(PROMPT, save_video=False, cache="first-block", cache_threshold=1e6, **kwargs)
+    assert cached.cache["skipped_steps"] == [1, 2, 3], cached.cache
+    assert max_abs_diff(cached.frames, off.frames) > 0
