@@ -298,3 +298,14 @@ def test_the_openapi_schema_documents_what_the_server_answers(server):
     page = server.http.get("/")
     assert page.status_code == 200 and 'id="create"' in page.text
     json.dumps(schema)
+
+
+def test_step_cache_options_are_refused_naming_the_field(server):
+    """Step caching is chosen per request (docs/caching.md); bad choices are a 422 naming the field."""
+    unknown = server.http.post("/v1/videos", json={"prompt": "x", "cache": "teacache"})
+    assert unknown.status_code == 422 and unknown.json()["error"]["param"] == "cache", unknown.text
+    uncalibrated = server.http.post("/v1/videos", json={"prompt": "x", "cache": "mag", "num_inference_steps": 3})
+    assert uncalibrated.status_code == 422 and uncalibrated.json()["error"]["param"] == "cache", uncalibrated.text
+    assert "distvideo calibrate" in uncalibrated.json()["error"]["message"]
+    threshold = server.http.post("/v1/videos", json={"prompt": "x", "cache": "first-block", "cache_threshold": -1})
+    assert threshold.status_code == 422, threshold.text

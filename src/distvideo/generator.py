@@ -37,6 +37,8 @@ class GenerationResult:
     timings: dict[str, float] = field(default_factory=dict)
     peak_memory_mb: float = 0.0
     request: GenerationRequest | None = None
+    # step caching: {"method", "computed_steps", "skipped_steps": [step indices]}; None when off (docs/caching.md)
+    cache: dict[str, Any] | None = None
 
 
 class VideoGenerator:
@@ -155,6 +157,10 @@ class VideoGenerator:
         return_frames: bool = True,
         max_sequence_length: int = 512,
         request_timeout: float | None = None,
+        cache: str | None = None,
+        cache_threshold: float | None = None,
+        cache_warmup_steps: int | None = None,
+        cache_max_skip: int | None = None,
         on_progress: Callable[[int, int], None] | None = None,
     ) -> GenerationResult:
         """Generate one video. `image` (image-to-video models): a file path, a PIL image or a uint8 array (H, W, 3).
@@ -180,6 +186,10 @@ class VideoGenerator:
             return_frames=return_frames,
             max_sequence_length=max_sequence_length,
             request_timeout=request_timeout,
+            cache=cache,
+            cache_threshold=cache_threshold,
+            cache_warmup_steps=cache_warmup_steps,
+            cache_max_skip=cache_max_skip,
         )
         return self.generate_request(request, on_progress=on_progress)
 
@@ -264,6 +274,7 @@ class VideoGenerator:
             timings=timings,
             peak_memory_mb=out.peak_memory_mb,
             request=request,
+            cache=out.cache,
         )
 
     # -- control plane ---------------------------------------------------------------------------

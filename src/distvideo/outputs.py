@@ -7,6 +7,7 @@ torch's compiler stack (about 2.5 s on a 2-core machine, and memory a driver nev
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -17,6 +18,7 @@ class WorkerOutput:
     frames: np.ndarray | None
     timings: dict[str, float] = field(default_factory=dict)
     peak_memory_mb: float = 0.0
+    cache: dict[str, Any] | None = None  # the step cache's report (pipelines/caching.py); None when off
 
 
 @dataclass

@@ -21,6 +21,10 @@ MAX_FPS = 240
 MAX_SIDE = 8192  # pixels per side
 MAX_FRAMES = 4097
 
+# Step caching (pipelines/caching.py): the methods a request may name, and the internal one `distvideo calibrate` runs
+CACHE_METHODS = ("none", "first-block", "mag")
+CACHE_CALIBRATE = "calibrate"
+
 
 @dataclass
 class GenerationRequest:
@@ -48,6 +52,11 @@ class GenerationRequest:
     return_frames: bool = True
     max_sequence_length: int = 512
     request_timeout: float | None = None  # seconds; the request stops at the next denoising step after it
+    # step caching (docs/caching.md); None: the model's default, resolved by ModelInfo.resolve_request
+    cache: str | None = None
+    cache_threshold: float | None = None
+    cache_warmup_steps: int | None = None
+    cache_max_skip: int | None = None
 
     def validate(self) -> None:
         """Checks that need no model; model-dependent checks live in the model's spec."""
@@ -100,6 +109,7 @@ class GenerationRequest:
             raise ConfigError(
                 f"request_timeout={self.request_timeout!r} must be a positive, finite number of seconds (or unset)"
             )
+        check_cache_fields(self)
         if self.output_path is not None:
             if not isinstance(self.output_path, str):
                 raise ConfigError(f"output_path: expected a path, got {self.output_path!r}")
@@ -126,3 +136,22 @@ def _check_int(name: str, value: Any, *, minimum: int, maximum: int | None = Non
         raise ConfigError(f"{label}={value} must be >= {minimum}")
     if maximum is not None and value > maximum:
         raise ConfigError(f"{label}={value} must be <= {maximum}")
+
+
+# --- step caching ---------------------------------------------------------------------------------------------------
+def check_cache_fields(request: GenerationRequest) -> None:
+    """The cache options' own checks (a method's ratios for the model are checked by ModelInfo.resolve_request)."""
+    method = request.cache
+    if method is not None and (not isinstance(method, str) or method not in (*CACHE_METHODS, CACHE_CALIBRATE)):
+        raise ConfigError(f"cache (--cache): unknown method {method!r}; choose one of {', '.join(CACHE_METHODS)}")
+    threshold = request.cache_threshold
+    if threshold is not None and (
+        isinstance(threshold, bool)
+        or not isinstance(threshold, (int, float))
+        or not (math.isfinite(threshold) and threshold > 0)
+    ):
+        raise ConfigError(
+            f"cache_threshold (--cache-threshold)={threshold!r} must be a positive, finite number (e.g. 0.05)"
+        )
+    _check_int("cache_warmup_steps", request.cache_warmup_steps, minimum=0, flag="--cache-warmup-steps")
+    _check_int("cache_max_skip", request.cache_max_skip, minimum=1, flag="--cache-max-skip")

@@ -280,6 +280,7 @@ class Worker:
             frames=batch.frames if keep else None,
             timings=batch.timings,
             peak_memory_mb=peak_memory_mb(self.device),
+            cache=batch.cache,
         )
 
     def execute_batch(

@@ -119,6 +119,7 @@ def distvideo_run(gen: GeneratorHandle, request: GenerationRequest) -> tuple[dic
         "peak_memory_mb": max(peaks),
         "peak_memory_mb_per_rank": peaks,
         "memory_metric": metrics[0],
+        "cache": result.cache,  # the step cache's skipped steps (None when off)
     }
     if "compile" in t:  # --compile: seconds torch.compile spent in this request (not in denoising_per_step)
         record["compile_s"] = t["compile"]
@@ -145,6 +146,8 @@ def median_record(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     for key in ("achieved_flops", "mfu"):
         if all(key in r for r in records):
             out[key] = statistics.median(r[key] for r in records)
+    if records and records[-1].get("cache") is not None:
+        out["cache"] = records[-1]["cache"]  # the same steps every run: the decision depends on the request only
     if all("peak_memory_mb_per_rank" in r for r in records):
         ranks = len(records[0]["peak_memory_mb_per_rank"])
         out["peak_memory_mb_per_rank"] = [

@@ -186,6 +186,11 @@ def format_report(report: Mapping[str, Any]) -> str:
         f"memory: {env['memory_metric']}"
         + (f"; per rank {', '.join(f'{m:.0f}' for m in mem_ranks)} MiB" if len(mem_ranks) > 1 else ""),
     ]
+    cache = ours.get("cache")
+    if cache is not None:
+        lines.append(
+            f"step cache: {cache['method']}, {cache['computed_steps']} steps computed, skipped {cache['skipped_steps']}"
+        )
     if check is not None:
         lines.append(f"frames: max |distvideo - diffusers| = {check} (uint8)")
     lines.append(

@@ -17,7 +17,7 @@ from typing import Any
 from distvideo.config import EngineConfig, LoraSpec
 from distvideo.config_files import load_config_file
 from distvideo.errors import ConfigError
-from distvideo.request import GenerationRequest
+from distvideo.request import CACHE_METHODS, GenerationRequest
 
 # GenerationRequest fields offered on the command line, with their help and (where it differs) their flag
 REQUEST_FLAGS: dict[str, dict[str, Any]] = {
@@ -35,6 +35,11 @@ REQUEST_FLAGS: dict[str, dict[str, Any]] = {
     "fps": {"help": "frames per second of the saved video (default: the model's, 16 for Wan2.1)"},
     "output_path": {"help": "a .mp4 file, or a folder (default: outputs/)", "flag": "--output"},
     "request_timeout": {"help": "seconds; the request stops at the next denoising step after it", "parse": "seconds"},
+    # step caching (docs/caching.md)
+    "cache": {"help": "step caching: none (default), first-block or mag", "choices": CACHE_METHODS},
+    "cache_threshold": {"help": "skip a step while the cache's change metric stays under this (default: per method)"},
+    "cache_warmup_steps": {"help": "steps always computed first (default: 10%% first-block, 20%% mag)"},
+    "cache_max_skip": {"help": "at most this many consecutive skipped steps (default: 3 for mag, no limit)"},
 }
 
 

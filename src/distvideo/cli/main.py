@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--batch-seed", dest="batch_seed", type=int, default=0, help="seeds of items without one")
     add_bench_parser(sub)
+    from distvideo.cli.calibrate import add_calibrate_parser
+
+    add_calibrate_parser(sub)
     from distvideo.serving.options import add_serve_arguments
 
     srv = sub.add_parser("serve", help="serve the HTTP video API (OpenAI-style /v1/videos) on this engine")
@@ -168,6 +171,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_serve(args)
         if args.command == "generate":
             return cmd_generate(args)
+        if args.command == "calibrate":
+            from distvideo.cli.calibrate import cmd_calibrate
+
+            return cmd_calibrate(args)
         if args.command == "bench":
             from distvideo.bench import cmd_bench
 

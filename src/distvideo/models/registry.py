@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from distvideo.errors import ConfigError
+from distvideo.models.cache_ratios import CACHE_DEFAULT_KEYS, read_ratios, resolve_cache, scheduler_name
 from distvideo.request import GenerationRequest
 
 IMAGE_NONE, IMAGE_OPTIONAL, IMAGE_REQUIRED = "none", "optional", "required"
@@ -164,6 +165,7 @@ class ModelInfo:
     defaults: dict[str, Any] = field(default_factory=dict)
     transformer_config: dict[str, Any] = field(default_factory=dict)  # the JSON files, as read
     vae_config: dict[str, Any] = field(default_factory=dict)
+    cache_ratios: dict[str, list[float]] = field(default_factory=dict)  # MagCache's, from models/cache_ratios.py
 
     @property
     def spatial_stride(self) -> int:
@@ -207,6 +209,7 @@ class ModelInfo:
                 f"num_frames={filled.num_frames} must be of the form {k}k+1 for this model (its VAE packs {k} frames "
                 f"into one latent frame after the first); try {lower} or {lower + k}"
             )
+        filled = resolve_cache(filled, self.cache_ratios, scheduler_name(self.index), str(self.path))
         if read_image and filled.image is not None:
             from distvideo.images import load_image
 
@@ -324,7 +327,7 @@ def probe_model(path: str | Path) -> ModelInfo:
     defaults = _family_defaults(family, index)
     if (root / DEFAULTS_FILE).is_file():
         extra = _read_json(root / DEFAULTS_FILE, "defaults")
-        unknown = set(extra) - set(defaults)
+        unknown = set(extra) - set(defaults) - set(CACHE_DEFAULT_KEYS)
         if unknown:
             raise ConfigError(f"--model {path}: {DEFAULTS_FILE} has unknown keys {sorted(unknown)}")
         defaults.update(extra)
@@ -342,6 +345,7 @@ def probe_model(path: str | Path) -> ModelInfo:
         defaults=defaults,
         transformer_config=tr_cfgs[0],
         vae_config=vae_cfg,
+        cache_ratios=read_ratios(root),
     )
 
 

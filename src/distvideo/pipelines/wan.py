@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from distvideo.models.compat import prompt_clean
 from distvideo.models.registry import ModelInfo
+from distvideo.pipelines.caching import step_cache
 from distvideo.pipelines.control import StepControl
 from distvideo.pipelines.offload import ComponentOffload
 from distvideo.request import GenerationRequest
@@ -47,6 +48,7 @@ class WanBatch:
     video: torch.Tensor | None = None
     frames: np.ndarray | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    cache: dict[str, Any] | None = None  # the step cache's report (pipelines/caching.py); None when off
 
 
 def record_per_step_denoising(timings: dict[str, float], steps: int, *, excluded_s: float = 0.0) -> None:
@@ -173,8 +175,10 @@ class WanT2VPipeline:
         assert batch.latents is not None and batch.timesteps is not None
         latents = batch.latents
         total = len(batch.timesteps)
-        with self._progress(total) as bar:
+        with self._progress(total) as bar, step_cache(self, batch) as cache:
             for done, t in enumerate(batch.timesteps, start=1):
+                if cache is not None:
+                    cache.begin_step(done - 1)
                 noise_pred = self.predict_noise(latents, t, batch)
                 latents = batch.scheduler.step(noise_pred, t, latents, return_dict=False)[0]
                 bar.update()

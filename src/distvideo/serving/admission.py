@@ -17,6 +17,7 @@ from distvideo.serving.schemas import VideoCreate
 
 #: request fields a config file's `request` section may preset for every job (the rest belong to each request)
 PRESETTABLE = ("negative_prompt", "num_frames", "num_inference_steps", "guidance_scale", "seed", "fps")
+CACHE_FIELDS = ("cache", "cache_threshold", "cache_warmup_steps", "cache_max_skip")  # chosen per request
 _FIELD = re.compile(r"^([a-z_]+)\b")
 
 
@@ -102,6 +103,9 @@ class Admission:
     def _request(self, body: VideoCreate, job_id: str, image_path: str | None) -> GenerationRequest:
         values: dict[str, Any] = {k: v for k, v in self.presets.items() if k in PRESETTABLE and v is not None}
         for name in ("negative_prompt", "num_frames", "num_inference_steps", "guidance_scale", "seed", "fps"):
+            if getattr(body, name) is not None:
+                values[name] = getattr(body, name)
+        for name in CACHE_FIELDS:
             if getattr(body, name) is not None:
                 values[name] = getattr(body, name)
         if body.size is not None:

@@ -43,6 +43,13 @@ class VideoCreate(BaseModel):
     guidance_scale: float | None = Field(None, ge=0, lt=10000, allow_inf_nan=False, description="CFG scale")
     negative_prompt: str | None = Field(None, max_length=20000)
     lora: LoraChoice | None = None
+    # step caching, chosen per request (docs/caching.md); checked by the model's request resolution
+    cache: str | None = Field(None, max_length=32, description="step caching: none, first-block or mag")
+    cache_threshold: float | None = Field(
+        None, gt=0, allow_inf_nan=False, description="skip while the cache's metric stays under this"
+    )
+    cache_warmup_steps: int | None = Field(None, ge=0, le=100000, description="steps always computed first")
+    cache_max_skip: int | None = Field(None, ge=1, le=100000, description="at most this many consecutive skips")
 
 
 class VideoError(BaseModel):

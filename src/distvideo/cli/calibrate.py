@@ -1,0 +1,51 @@
+"""`distvideo calibrate --model M [--steps N]`: run the model once without skipping and store MagCache's magnitude
+ratios for its scheduler and that step count beside the model (models/cache_ratios.py), where `--cache mag` finds
+them."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from distvideo.cli.arguments import add_engine_arguments, engine_config_from_args
+
+CALIBRATION_PROMPT = "a red fox running through fresh snow in a forest, cinematic light"
+
+
+def add_calibrate_parser(sub: Any) -> None:
+    cal = sub.add_parser("calibrate", help="store MagCache's ratios for the model and a step count (--cache mag)")
+    add_engine_arguments(cal)
+    cal.add_argument(
+        "--steps", dest="num_inference_steps", type=int, default=None, help="step count (default: the model's)"
+    )
+    cal.add_argument("--prompt", default=CALIBRATION_PROMPT, help="the prompt of the calibration run")
+    cal.add_argument("--seed", type=int, default=0, help="noise seed of the calibration run")
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from distvideo.executors import resolve_engine
+    from distvideo.generator import VideoGenerator
+    from distvideo.models.cache_ratios import scheduler_name, write_ratios
+    from distvideo.request import CACHE_CALIBRATE, GenerationRequest
+
+    engine_config, _ = engine_config_from_args(args)
+    engine = resolve_engine(engine_config)
+    request = GenerationRequest(
+        prompt=args.prompt,
+        seed=args.seed,
+        num_inference_steps=args.num_inference_steps,
+        cache=CACHE_CALIBRATE,
+        save_video=False,
+        return_frames=False,
+    )
+    request = engine.model.resolve_request(request)  # bad input (the step count) before loading
+    with VideoGenerator.from_engine(engine) as gen:
+        result = gen.generate_request(request)
+    if result.cache is None or "ratios" not in result.cache:
+        return 1  # a rank that holds no output
+    assert request.num_inference_steps is not None
+    path = write_ratios(
+        engine.model.path, scheduler_name(engine.model.index), request.num_inference_steps, result.cache["ratios"]
+    )
+    print(path, flush=True)
+    return 0

@@ -1,0 +1,86 @@
+"""Step-cache settings of a request, resolved against its model: the method defaults, and MagCache's calibrated
+magnitude ratios, which are per model, scheduler and step count and live beside the model in a small JSON file
+(`distvideo calibrate` writes it; docs/caching.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from distvideo.errors import ConfigError
+from distvideo.request import CACHE_CALIBRATE, GenerationRequest
+
+RATIOS_FILE = "distvideo_cache_ratios.json"
+#: keys a checkpoint's distvideo_defaults.json may set for step caching
+CACHE_DEFAULT_KEYS = ("cache", "cache_threshold", "cache_warmup_steps", "cache_max_skip")
+#: per method: threshold, and the fraction of the steps that are always computed first (warmup)
+METHOD_DEFAULTS: dict[str, tuple[float, float]] = {"first-block": (0.05, 0.1), "mag": (0.06, 0.2)}
+MAG_MAX_SKIP = 3
+
+
+def ratios_key(scheduler: str, steps: int) -> str:
+    return f"{scheduler}/{steps}"
+
+
+def scheduler_name(index: dict[str, Any]) -> str:
+    entry = index.get("scheduler")
+    return str(entry[1]) if isinstance(entry, list) and len(entry) == 2 else "unknown"
+
+
+def read_ratios(root: Path) -> dict[str, list[float]]:
+    """{"<scheduler>/<steps>": ratios} from the model folder's ratios file ({} without one)."""
+    path = root / RATIOS_FILE
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+        ratios = data["ratios"]
+        return {str(k): [float(x) for x in v] for k, v in ratios.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ConfigError(f"{path}: not a step-cache ratios file ({exc}); run `distvideo calibrate` again") from None
+
+
+def write_ratios(root: Path, scheduler: str, steps: int, ratios: list[float]) -> Path:
+    """Add (or replace) the ratios of `steps` steps in the model folder's ratios file, atomically."""
+    path = root / RATIOS_FILE
+    known = read_ratios(root)
+    known[ratios_key(scheduler, steps)] = [round(float(r), 6) for r in ratios]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"version": 1, "ratios": dict(sorted(known.items()))}, indent=1) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def resolve_cache(
+    request: GenerationRequest, ratios: dict[str, list[float]], scheduler: str, model_name: str
+) -> GenerationRequest:
+    """Fill the cache fields of a request whose other fields are resolved: method "none" when unset, the method's
+    threshold and warmup, at most MAG_MAX_SKIP consecutive skips for mag (no limit for first-block); mag needs
+    calibrated ratios for this scheduler and step count."""
+    method = request.cache or "none"
+    steps = request.num_inference_steps
+    assert steps is not None
+    if method == "none" or method == CACHE_CALIBRATE:
+        return dataclasses.replace(request, cache=method)
+    threshold, warmup_fraction = METHOD_DEFAULTS[method]
+    if method == "mag" and ratios_key(scheduler, steps) not in ratios:
+        known = sorted(int(k.split("/")[1]) for k in ratios if k.startswith(f"{scheduler}/"))
+        raise ConfigError(
+            f"cache (--cache mag): {model_name} has no MagCache ratios for {steps} steps with {scheduler} (calibrated "
+            f"step counts: {known or 'none'}); run `distvideo calibrate --model {model_name} --steps {steps}`, or "
+            "use --cache first-block"
+        )
+    return dataclasses.replace(
+        request,
+        cache=method,
+        cache_threshold=threshold if request.cache_threshold is None else request.cache_threshold,
+        cache_warmup_steps=(
+            max(1, round(warmup_fraction * steps)) if request.cache_warmup_steps is None else request.cache_warmup_steps
+        ),
+        cache_max_skip=(
+            (MAG_MAX_SKIP if method == "mag" else steps) if request.cache_max_skip is None else request.cache_max_skip
+        ),
+    )

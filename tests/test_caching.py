@@ -1,0 +1,172 @@
+"""Step caching (pipelines/caching.py): the skip decision is one value per step that every rank agrees on.
+
+Cached inline runs are the reference: the mp executor and torchrun at cfg2, sp2 and cfg2 x sp2 skip the same steps
+on every rank and give frames within 2 of them; the cache off leaves frames byte-identical; `distvideo calibrate`
+writes the MagCache ratios the loader finds; bad options are refused naming the option. One 4-layer checkpoint, 8
+steps at 48 x 48 (27 tokens: sp=2 pads to 28, so the metric's trimming of the padding is exercised).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from distvideo import VideoGenerator
+from distvideo.cli.main import EXIT_BAD_INPUT, main
+from distvideo.errors import ConfigError
+from distvideo.models.cache_ratios import RATIOS_FILE
+from distvideo.models.registry import probe_model
+
+from conftest import REPO, max_abs_diff
+from launchers import format_output, run_launcher
+
+STEPS = 8
+BASE = dict(num_frames=9, height=48, width=48, num_inference_steps=STEPS, guidance_scale=5.0, seed=3)
+# thresholds where the test checkpoint skips some steps but not all (checked below, so a cache that never or always
+# skips fails)
+REQUESTS: dict[str, dict[str, Any]] = {
+    "fb": dict(BASE, cache="first-block", cache_threshold=0.6),
+    "mag": dict(BASE, cache="mag", cache_threshold=0.1),
+}
+PROMPT = "a red fox in the snow"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A test checkpoint with its ratios for 8 steps, written by `distvideo calibrate`."""
+    from distvideo.testing.checkpoints import build_test_checkpoint
+
+    path = build_test_checkpoint(tmp_path_factory.mktemp("cache") / "tiny-wan-4l")
+    assert main(["calibrate", "--model", str(path), "--steps", str(STEPS), "--device", "cpu"]) == 0
+    return path
+
+
+@pytest.fixture(scope="module")
+def inline(model: Path) -> dict[str, Any]:
+    with VideoGenerator.from_pretrained(str(model), device="cpu", executor="inline") as gen:
+        off = gen.generate(PROMPT, save_video=False, **BASE)
+        cached = {name: gen.generate(PROMPT, save_video=False, **kw) for name, kw in REQUESTS.items()}
+        off_again = gen.generate(PROMPT, save_video=False, **BASE)
+    return {"off": off, "off_again": off_again, **cached}
+
+
+def test_calibrate_writes_ratios_the_loader_finds(model: Path) -> None:
+    data = json.loads((model / RATIOS_FILE).read_text())
+    ratios = data["ratios"][f"UniPCMultistepScheduler/{STEPS}"]
+    assert len(ratios) == STEPS and ratios[0] == 1.0 and all(math.isfinite(r) and r > 0 for r in ratios)
+    assert probe_model(str(model)).cache_ratios[f"UniPCMultistepScheduler/{STEPS}"] == ratios
+
+
+def test_inline_cache_skips_some_steps_and_off_is_unchanged(inline: dict[str, Any]) -> None:
+    assert inline["off"].cache is None
+    np.testing.assert_array_equal(inline["off_again"].frames, inline["off"].frames)  # the plan passes through
+    for name in REQUESTS:
+        report = inline[name].cache
+        assert report["method"] == REQUESTS[name]["cache"]
+        assert 0 < len(report["skipped_steps"]) < STEPS - 1, report
+        assert report["computed_steps"] == STEPS - len(report["skipped_steps"])
+        assert max_abs_diff(inline[name].frames, inline["off"].frames) > 0  # a skip changes the frames
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("num_gpus", "sp_size", "cfg"), [(4, 2, True)])  # cfg2 and sp2 alone: under torchrun below
+def test_mp_skips_the_same_steps(model: Path, inline: dict[str, Any], num_gpus: int, sp_size: int, cfg: bool) -> None:
+    with VideoGenerator.from_pretrained(
+        str(model), executor="mp", device="cpu", num_gpus=num_gpus, sp_size=sp_size, cfg_parallel=cfg
+    ) as gen:
+        for name, kwargs in REQUESTS.items():
+            result = gen.generate(PROMPT, save_video=False, **kwargs)
+            assert result.cache == inline[name].cache, (name, result.cache, inline[name].cache)
+            assert max_abs_diff(result.frames, inline[name].frames) <= 2
+
+
+@pytest.mark.launcher
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("nproc", "engines"),
+    [(2, [("cfg2", 1, True), ("sp2", 2, False)]), (4, [("sp2cfg2", 2, True)])],
+    ids=["2ranks", "4ranks"],
+)
+def test_torchrun_every_rank_skips_the_same_steps(
+    tmp_path: Path, model: Path, inline: dict[str, Any], nproc: int, engines: list[tuple[str, int, bool]]
+) -> None:
+    cases = {
+        "model": str(model),
+        "engines": [{"name": n, "sp_size": sp, "cfg_parallel": cfg} for n, sp, cfg in engines],
+        "requests": REQUESTS,
+    }
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    script = REPO / "tests" / "parallel_scripts" / "cache_cases.py"
+    proc = run_launcher(
+        "torchrun", [str(script), str(tmp_path / "cases.json"), str(tmp_path)], nproc=nproc, timeout=300
+    )
+    assert proc.returncode == 0, format_output(proc)
+    for engine, _, _ in engines:
+        for name in REQUESTS:
+            for rank in range(nproc):
+                report = json.loads((tmp_path / f"{engine}-{name}-rank{rank}.json").read_text())
+                assert report == inline[name].cache, (engine, name, rank, report)
+            frames = np.load(tmp_path / f"{engine}-{name}.npy")
+            assert max_abs_diff(frames, inline[name].frames) <= 2, (engine, name)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        (dict(cache="teacache"), "cache (--cache): unknown method 'teacache'"),
+        (dict(cache="first-block", cache_threshold=0.0), "cache_threshold (--cache-threshold)=0.0"),
+        (dict(cache="first-block", cache_threshold=float("nan")), "cache_threshold (--cache-threshold)=nan"),
+        (dict(cache="mag", cache_max_skip=0), "cache_max_skip (--cache-max-skip)=0"),
+        (dict(cache="mag", num_inference_steps=5), "no MagCache ratios for 5 steps"),
+    ],
+)
+def test_bad_options_are_refused_before_loading(model: Path, kwargs: dict[str, Any], needle: str) -> None:
+    from distvideo.request import GenerationRequest
+
+    info = probe_model(str(model))
+    with pytest.raises(ConfigError) as exc:
+        info.resolve_request(GenerationRequest(prompt=PROMPT, **kwargs))
+    assert needle in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--cache", "teacache"], "invalid choice: 'teacache'"),
+        (["--cache", "first-block", "--cache-threshold", "-1"], "cache_threshold (--cache-threshold)=-1.0"),
+        (["--cache", "mag", "--steps", "5"], "no MagCache ratios for 5 steps"),
+    ],
+)
+def test_cli_exits_2_naming_the_option(
+    model: Path, no_weights_loaded: None, capsys: pytest.CaptureFixture[str], argv: list[str], needle: str
+) -> None:
+    code = main(["generate", "--model", str(model), "--device", "cpu", "--prompt", PROMPT, *argv])
+    assert code == EXIT_BAD_INPUT
+    assert needle in capsys.readouterr().err
+
+
+def test_two_experts_reset_at_the_boundary_and_image_to_video_caches(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Wan2.2 A14B: the first low-noise step is computed however high the threshold (the cache is forgotten at the
+    switch); Wan2.1 I2V caches like text-to-video."""
+    from family_checkpoints import family_checkpoint, test_image
+
+    # UniPC with shift 12 at 6 steps: 4 high-noise steps (t >= 875), then the low-noise expert from step 4
+    moe = family_checkpoint(tmp_path_factory, "wan22_t2v_a14b")
+    kwargs = dict(num_frames=5, height=32, width=48, num_inference_steps=6, guidance_scale=4.0, seed=2)
+    with VideoGenerator.from_pretrained(str(moe), device="cpu", executor="inline") as gen:
+        result = gen.generate(PROMPT, save_video=False, cache="first-block", cache_threshold=1e6, **kwargs)
+    boundary = 4  # with a threshold no change reaches, only the switch makes a step computed
+    assert result.cache["skipped_steps"] == [s for s in range(1, 6) if s != boundary], result.cache
+    i2v = family_checkpoint(tmp_path_factory, "wan21_i2v")
+    image = test_image(tmp_path_factory)
+    kwargs = dict(image=str(image), num_frames=5, height=48, width=80, num_inference_steps=4, seed=1)
+    with VideoGenerator.from_pretrained(str(i2v), device="cpu", executor="inline") as gen:
+        off = gen.generate(PROMPT, save_video=False, **kwargs)
+        cached = gen.generate(PROMPT, save_video=False, cache="first-block", cache_threshold=1e6, **kwargs)
+    assert cached.cache["skipped_steps"] == [1, 2, 3], cached.cache
+    assert max_abs_diff(cached.frames, off.frames) > 0
