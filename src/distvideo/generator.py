@@ -17,11 +17,11 @@ import numpy as np
 from distvideo.batch.run import BatchResult
 from distvideo.config import EngineConfig, LoraSpec
 from distvideo.engine import ResolvedEngine
-from distvideo.errors import ConfigError, RankFailure, VideoWriteError
+from distvideo.errors import ConfigError, RankFailure
 from distvideo.executors import Executor, create_executor, resolve_engine
 from distvideo.executors.base import SHUT_DOWN
 from distvideo.logging_utils import configure_logging
-from distvideo.media import check_video_output, write_array, write_video
+from distvideo.media import check_video_output, write_video_or_keep_frames
 from distvideo.models.registry import ModelInfo
 from distvideo.paths import resolve_output_path
 from distvideo.request import GenerationRequest
@@ -250,7 +250,7 @@ class VideoGenerator:
             t0 = time.perf_counter()
             target = resolve_output_path(request.output_path, request.prompt, request.seed)
             assert request.fps is not None  # resolved
-            video_path = str(_write_or_keep(frames, target, request.fps))
+            video_path = str(write_video_or_keep_frames(frames, target, request.fps))
             timings["video_writing"] = time.perf_counter() - t0
         timings["total"] = time.perf_counter() - start
         if executor.is_output_rank:
@@ -362,30 +362,6 @@ class VideoGenerator:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-
-def _write_or_keep(frames: np.ndarray, target: Path, fps: int) -> Path:
-    """Write the video; if that fails after all (the disk filled up, the folder vanished), keep the frames: saved
-    beside the target as `<name>.frames.npy` (np.load), or, if even that fails, on the raised error."""
-    try:
-        return write_video(frames, target, fps=fps)
-    except Exception as exc:
-        fallback = target.with_name(f"{target.stem}.frames.npy")
-        try:
-            saved = write_array(frames, fallback)
-        except Exception:
-            raise VideoWriteError(
-                f"writing {target} failed ({type(exc).__name__}: {exc}) and so did saving the frames beside it; "
-                "the frames are on this error (.frames)",
-                None,
-                frames,
-            ) from exc
-        raise VideoWriteError(
-            f"writing {target} failed ({type(exc).__name__}: {exc}); the frames were saved to {saved} "
-            "(numpy.load) so the generation is not lost",
-            saved,
-            None,
-        ) from exc
 
 
 def _refusals_as_config_errors(run: Callable[[], Any]) -> Any:

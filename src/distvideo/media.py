@@ -20,7 +20,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from distvideo.errors import ConfigError
+from distvideo.errors import ConfigError, VideoWriteError
 from distvideo.paths import check_output_target, first_free, resolve_output_path
 
 
@@ -222,3 +222,27 @@ def check_video_output(output_path: str | None, prompt: str, seed: int, width: i
     check_output_target(target)
     check_encoder(width, height, fps)
     return target
+
+
+def write_video_or_keep_frames(frames: np.ndarray, target: Path, fps: int) -> Path:
+    """Write the video; if that fails after all (the disk filled up, the folder vanished), keep the frames: saved
+    beside the target as `<name>.frames.npy` (np.load), or, if even that fails, on the raised error."""
+    try:
+        return write_video(frames, target, fps=fps)
+    except Exception as exc:
+        fallback = target.with_name(f"{target.stem}.frames.npy")
+        try:
+            saved = write_array(frames, fallback)
+        except Exception:
+            raise VideoWriteError(
+                f"writing {target} failed ({type(exc).__name__}: {exc}) and so did saving the frames beside it; "
+                "the frames are on this error (.frames)",
+                None,
+                frames,
+            ) from exc
+        raise VideoWriteError(
+            f"writing {target} failed ({type(exc).__name__}: {exc}); the frames were saved to {saved} "
+            "(numpy.load) so the generation is not lost",
+            saved,
+            None,
+        ) from exc

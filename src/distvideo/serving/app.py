@@ -4,7 +4,6 @@ engine loop owns (runner.py). Shape: OpenAI's video API (`/v1/videos`), with the
 from __future__ import annotations
 
 import hmac
-import json
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
@@ -16,13 +15,12 @@ from fastapi import Depends, FastAPI, Query, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.sse import EventSourceResponse
-from pydantic import ValidationError
-from starlette.datastructures import UploadFile
 
 from distvideo.serving import metrics
 from distvideo.serving.admission import Admission, ApiError
+from distvideo.serving.bodies import read_create_body
 from distvideo.serving.events import JobEvents
-from distvideo.serving.http_errors import ERROR_RESPONSE, BodyLimit, from_validation, install_error_handlers
+from distvideo.serving.http_errors import ERROR_RESPONSE, BodyLimit, install_error_handlers
 from distvideo.serving.jobs import OK, QueuedJob, QueueFull, Service, ServiceClosed
 from distvideo.serving.schemas import (
     Health,
@@ -203,7 +201,7 @@ def _add_create_route(app: FastAPI, ctx: AppContext, guard: Guard) -> None:
         job_id = "video_" + secrets.token_hex(12)
         image_path = ctx.admission.output / f"{job_id}.input"  # named by the server, as the video is
         try:
-            body, image = await _read_create_body(request)
+            body, image = await read_create_body(request)
             if image is not None and not ctx.admission.takes_image:
                 ctx.admission.admit(body, job_id, image_path="input_reference")  # raises the 422 naming the field
             if image is not None:  # every rank reads the file (a path crosses the launcher's job channel)
@@ -355,48 +353,3 @@ def _add_delete_route(app: FastAPI, ctx: AppContext, guard: Guard) -> None:
         if record.file and "/" not in record.file:
             (ctx.admission.output / record.file).unlink(missing_ok=True)
         return VideoDeleted(id=video_id, deleted=True)
-
-
-async def _read_create_body(request: Request) -> tuple[VideoCreate, UploadFile | None]:
-    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if kind == "application/json":
-        raw = await request.body()
-        try:
-            return VideoCreate.model_validate_json(raw, strict=True), None
-        except ValidationError as exc:
-            raise from_validation(list(exc.errors())) from None
-    if kind == "multipart/form-data":
-        form = await request.form(max_files=1, max_fields=32)
-        fields: dict[str, Any] = {}
-        image: UploadFile | None = None
-        for key, value in form.multi_items():
-            if key in fields or (key == "input_reference" and image is not None):
-                raise ApiError(422, f"{key}: given more than once", param=key)
-            if key == "input_reference":
-                if not isinstance(value, UploadFile):
-                    raise ApiError(422, "input_reference: expected an image file part", param="input_reference")
-                image = value
-            elif isinstance(value, UploadFile):
-                raise ApiError(422, f"{key}: expected a text part, got a file", param=key)
-            elif value != "":  # an empty form field is a field not given (what HTML forms send)
-                fields[key] = _form_value(key, value)
-        try:
-            return VideoCreate.model_validate(fields), image
-        except ValidationError as exc:
-            raise from_validation(list(exc.errors())) from None
-    raise ApiError(
-        415,
-        f"Content-Type {kind or '(none)'!r}: send application/json or multipart/form-data",
-        code="unsupported_media_type",
-    )
-
-
-def _form_value(key: str, value: str) -> Any:
-    if key != "lora":
-        return value
-    try:
-        return json.loads(value)
-    except json.JSONDecodeError:
-        raise ApiError(
-            422, 'lora: expected JSON text such as {"name": "style", "strength": 0.8}', param="lora"
-        ) from None
