@@ -89,15 +89,19 @@ def test_mp_skips_the_same_steps(model: Path, inline: dict[str, Any], num_gpus: 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("nproc", "engines"),
-    [(2, [("cfg2", 1, True), ("sp2", 2, False)]), (4, [("sp2cfg2", 2, True)])],
+    # ring: sp 2 as ring attention, so the first-block metric is reduced over a ring group (issue 33)
+    [
+        (2, [("cfg2", 1, True, None), ("sp2", 2, False, None)]),
+        (4, [("sp2cfg2", 2, True, None), ("ring2cfg2", 2, True, 2)]),
+    ],
     ids=["2ranks", "4ranks"],
 )
 def test_torchrun_every_rank_skips_the_same_steps(
-    tmp_path: Path, model: Path, inline: dict[str, Any], nproc: int, engines: list[tuple[str, int, bool]]
+    tmp_path: Path, model: Path, inline: dict[str, Any], nproc: int, engines: list[tuple[str, int, bool, int | None]]
 ) -> None:
     cases = {
         "model": str(model),
-        "engines": [{"name": n, "sp_size": sp, "cfg_parallel": cfg} for n, sp, cfg in engines],
+        "engines": [{"name": n, "sp_size": sp, "cfg_parallel": cfg, "ring_size": ring} for n, sp, cfg, ring in engines],
         "requests": REQUESTS,
     }
     (tmp_path / "cases.json").write_text(json.dumps(cases))
@@ -106,7 +110,7 @@ def test_torchrun_every_rank_skips_the_same_steps(
         "torchrun", [str(script), str(tmp_path / "cases.json"), str(tmp_path)], nproc=nproc, timeout=300
     )
     assert proc.returncode == 0, format_output(proc)
-    for engine, _, _ in engines:
+    for engine, *_ in engines:
         for name in REQUESTS:
             for rank in range(nproc):
                 report = json.loads((tmp_path / f"{engine}-{name}-rank{rank}.json").read_text())

@@ -2,7 +2,7 @@
 
 usage: cache_cases.py CASES_JSON OUT_DIR
 
-CASES_JSON: {"model", "engines": [{"name", "sp_size", "cfg_parallel"}], "requests": {name: kwargs}}. Every rank
+CASES_JSON: {"model", "engines": [{"name", "sp_size", "cfg_parallel", "ring_size"}], "requests": {name: kwargs}}. Every rank
 writes OUT_DIR/<engine>-<request>-rank<R>.json (its GenerationResult.cache); the output rank also saves the frames
 as OUT_DIR/<engine>-<request>.npy.
 """
@@ -24,7 +24,11 @@ def main() -> None:
     out = Path(sys.argv[2])
     for engine in cases["engines"]:
         with VideoGenerator.from_pretrained(
-            cases["model"], executor="external", sp_size=engine["sp_size"], cfg_parallel=engine["cfg_parallel"]
+            cases["model"],
+            executor="external",
+            sp_size=engine["sp_size"],
+            cfg_parallel=engine["cfg_parallel"],
+            ring_size=engine["ring_size"],
         ) as gen:
             rank = dist.get_rank()
             for name, kwargs in cases["requests"].items():
