@@ -163,7 +163,9 @@ def _check_ray_address(executor: str, address: str) -> None:
         raise ConfigError(f"ray_address={address!r} is only used with executor='ray' (executor={executor!r})")
     host, _, port = address.rpartition(":")
     if address != "auto" and not (host and port.isdigit() and 0 < int(port) < 65536):
-        raise ConfigError(f"ray_address={address!r}: give 'auto' or HOST:PORT of a Ray cluster's head (e.g. 10.0.0.5:6379)")
+        raise ConfigError(
+            f"ray_address={address!r}: give 'auto' or HOST:PORT of a Ray cluster's head (e.g. 10.0.0.5:6379)"
+        )
 
 
 def _default(value: bool | None, default: Any) -> bool:

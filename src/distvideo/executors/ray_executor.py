@@ -89,7 +89,7 @@ def check_resources(bundles: list[dict[str, float]], cluster: dict[str, float]) 
             need[name] = need.get(name, 0.0) + amount
     short = {k: v for k, v in need.items() if cluster.get(k, 0.0) < v}
     if short:
-        has = ", ".join(f"{k}={v:g}" for k, v in sorted(cluster.items()) if k in ("CPU", "GPU", "memory") or k in need)
+        has = ", ".join(f"{k}={v:g}" for k, v in sorted(cluster.items()) if k in ("CPU", "GPU") or k in need)
         raise ConfigError(
             f"the Ray cluster is too small: {len(bundles)} bundle(s) {bundles[0]} needed (num_gpus={len(bundles)}), "
             f"it has {has or 'nothing'}; add nodes or pass a smaller num_gpus"
