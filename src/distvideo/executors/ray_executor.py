@@ -119,7 +119,8 @@ class RayExecutor(Executor):
         self._closed = False
         self._connected = connect(engine.config.ray_address)
         try:
-            cluster = {k: float(v) for k, v in ray.cluster_resources().items()}
+            resources: dict[str, Any] = ray.cluster_resources()  # type: ignore[no-untyped-call]
+            cluster = {k: float(v) for k, v in resources.items()}
             bundles = bundles_for(engine, cluster)
             check_resources(bundles, cluster)
             self._start(bundles)
@@ -137,23 +138,25 @@ class RayExecutor(Executor):
         try:
             ray.get(self._placement.ready(), timeout=PLACEMENT_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
+            free = ray.available_resources()  # type: ignore[no-untyped-call]
             raise RuntimeError(
                 f"the Ray cluster could not reserve {len(bundles)} bundle(s) {bundles[0]} within "
-                f"{PLACEMENT_TIMEOUT_S:g} s: other jobs hold them (free now: {ray.available_resources()})"
+                f"{PLACEMENT_TIMEOUT_S:g} s: other jobs hold them (free now: {free})"
             ) from None
         self._control = ray.remote(CallControl).options(num_cpus=0).remote()
         kind = next(iter(bundles[0]))
-        actors = []
+        actors: list[Any] = []
         for index in range(len(bundles)):
             strategy = PlacementGroupSchedulingStrategy(self._placement, placement_group_bundle_index=index)
             options: dict[str, Any] = {"num_cpus": 1 if kind == "CPU" else 0, "num_gpus": 1 if kind == "GPU" else 0}
             actors.append(ray.remote(RankActor).options(scheduling_strategy=strategy, **options).remote())
         self._actors = actors  # bundle order until ranked: killed on failure either way
-        places = ray.get([a.place.remote() for a in actors], timeout=STARTUP_TIMEOUT_S)
+        places: list[tuple[str, str]] = ray.get([a.place.remote() for a in actors], timeout=STARTUP_TIMEOUT_S)
         order = rank_order(ray.get_runtime_context().get_node_id(), [p[0] for p in places])
         self._actors = [actors[i] for i in order]
         nodes = [places[i][0] for i in order]
-        address = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}[nodes[0]]  # as the node registered
+        registered: list[dict[str, Any]] = ray.nodes()  # type: ignore[no-untyped-call]
+        address = {n["NodeID"]: n["NodeManagerAddress"] for n in registered}[nodes[0]]  # as the node registered
         master = (address, int(ray.get(self._actors[0].free_port.remote(address), timeout=60)))
         logger.debug("ray ranks on nodes %s (CUDA_VISIBLE_DEVICES %s), rendezvous at %s:%d", nodes, places, *master)
         starts = [

@@ -76,7 +76,13 @@ class RankActor:
         configure_logging(engine.config.log_level)
         addr, port = master
         world = engine.world_size
-        env = {"MASTER_ADDR": addr, "MASTER_PORT": port, "RANK": rank, "WORLD_SIZE": world, "LOCAL_RANK": local_rank}
+        env: dict[str, str | int] = {
+            "MASTER_ADDR": addr,
+            "MASTER_PORT": port,
+            "RANK": rank,
+            "WORLD_SIZE": world,
+            "LOCAL_RANK": local_rank,
+        }
         envs.set_external({**env, "LOCAL_WORLD_SIZE": local_world})
         if addr.startswith("127."):  # a cluster on this machine's loopback: gloo listens there too
             _bind_gloo_to_loopback()
