@@ -58,12 +58,13 @@ def summarise(executor: str, world: int, runs: list[dict[str, float]], calls: in
     }
 
 
-def bench_mp(model: str, world: int, args: argparse.Namespace) -> dict[str, Any]:
+def bench_mp(model: str, world: int, args: argparse.Namespace, executor: str = "mp") -> dict[str, Any]:
+    """A driver-side executor (mp, or ray: a running Ray cluster, else a local one) driven from this process."""
     from distvideo import VideoGenerator
 
-    with VideoGenerator.from_pretrained(model, num_gpus=world, executor="mp") as gen:
+    with VideoGenerator.from_pretrained(model, num_gpus=world, executor=executor) as gen:
         runs = time_pings(gen, args.calls, args.repeats, args.warmup)
-    return summarise("mp", world, runs, args.calls)
+    return summarise(executor, world, runs, args.calls)
 
 
 def torchrun_command(model: str, world: int, args: argparse.Namespace) -> list[str]:
@@ -146,7 +147,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--executors", nargs="+", choices=["mp", "external"], default=["mp", "external"])
+    parser.add_argument("--executors", nargs="+", choices=["mp", "external", "ray"], default=["mp", "external"])
     parser.add_argument("--calls", type=int, default=1000, help="pings per run (default 1000)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per configuration (default 3)")
     parser.add_argument("--warmup", type=int, default=100)
@@ -168,7 +169,10 @@ def main(argv: list[str] | None = None) -> None:
         rows = []
         for world in args.world_sizes:
             for executor in args.executors:
-                row = bench_mp(model, world, args) if executor == "mp" else bench_external(model, world, args)
+                if executor == "external":
+                    row = bench_external(model, world, args)
+                else:
+                    row = bench_mp(model, world, args, executor)
                 print(f"# {executor} world {world}: median {row['median_ms']:.3f} ms, p99 {row['p99_ms']:.3f} ms")
                 rows.append(row)
         info["loadavg_after"] = os.getloadavg() if hasattr(os, "getloadavg") else None

@@ -22,5 +22,5 @@ if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; t
         "$VENV/bin/python" -m pip install -q "${constraint[@]}" torch
     fi
 fi
-"$VENV/bin/python" -m pip install -q "${constraint[@]}" -c constraints-test.txt -e ".[test]"
+"$VENV/bin/python" -m pip install -q "${constraint[@]}" -c constraints-test.txt -e ".[test,ray]"
 echo "$want" > "$stamp"

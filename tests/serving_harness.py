@@ -161,7 +161,7 @@ def server_command(executor: str, args: Sequence[str], env: dict[str, str]) -> t
         if executor == "srun":
             env = {**start_local_slurm(), **env}
         return build_launch(executor, [distvideo, "serve", *args], nproc=2, env=env, python=False)
-    engine = ["--executor", "mp", "--num-gpus", "2"] if executor == "mp" else ["--executor", "inline"]
+    engine = ["--executor", executor, "--num-gpus", "2"] if executor in ("mp", "ray") else ["--executor", "inline"]
     return [distvideo, "serve", *engine, *args], launcher_env(env)
 
 

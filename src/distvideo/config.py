@@ -14,7 +14,7 @@ from typing import Any
 
 from distvideo.errors import ConfigError
 
-EXECUTORS = ("auto", "inline", "mp", "external")
+EXECUTORS = ("auto", "inline", "mp", "external", "ray")
 DTYPES = ("float32", "bfloat16", "float16")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 OFFLOAD_MODES = ("none", "text", "model")  # what waits in host memory until its stage (pipelines/offload.py)
@@ -112,6 +112,11 @@ class EngineConfig:
     offload_experts: bool | None = _option("Wan2.2 A14B: the inactive expert waits in host memory (default: on CUDA)")
     progress: bool | None = _option("show the denoising progress bar on the output rank (default on)")
     log_level: str | None = _option("log level of distvideo's logger (default INFO)", choices=LOG_LEVELS)
+    # -- the Ray executor ---------------------------------------------------------------------------------------------
+    ray_address: str | None = _option(
+        "executor='ray': the cluster to join, 'auto' or HOST:PORT (default: a running cluster, else a local one on "
+        "127.0.0.1)"
+    )
 
     def with_defaults(self) -> EngineConfig:
         """A copy where the switches left None take the environment's defaults (the one place they are read)."""
@@ -148,6 +153,8 @@ class EngineConfig:
         self._validate_usp()
         if self.dist_timeout is not None and not (self.dist_timeout > 0 and math.isfinite(self.dist_timeout)):
             raise ConfigError(f"dist_timeout={self.dist_timeout} must be a positive, finite number of seconds")
+        if self.ray_address is not None:
+            _check_ray_address(self.executor, self.ray_address)
         for spec in self.lora:
             if not 0.0 <= abs(spec.strength) < 1e6:
                 raise ConfigError(f"lora strength {spec.strength} for {spec.path} is not a finite number")
@@ -168,6 +175,17 @@ class EngineConfig:
                 f"ulysses_size={u} x ring_size={r} = {u * r} != sp_size={sp}; give sp_size = ulysses_size x "
                 "ring_size, or leave one of them unset"
             )
+
+
+def _check_ray_address(executor: str, address: str) -> None:
+    """ray_address: 'auto' or HOST:PORT, and only with executor='ray'."""
+    if executor != "ray":
+        raise ConfigError(f"ray_address={address!r} is only used with executor='ray' (executor={executor!r})")
+    host, _, port = address.rpartition(":")
+    if address != "auto" and not (host and port.isdigit() and 0 < int(port) < 65536):
+        raise ConfigError(
+            f"ray_address={address!r}: give 'auto' or HOST:PORT of a Ray cluster's head (e.g. 10.0.0.5:6379)"
+        )
 
 
 def _default(value: bool | None, default: Any) -> bool:

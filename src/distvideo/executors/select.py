@@ -60,6 +60,8 @@ def resolve_engine(config: EngineConfig, environ: Mapping[str, str] | None = Non
     environ = read_launch_environ() if environ is None else environ
     kind = choose_executor(config, launcher_rank_present(environ))
     launch = resolve_external_env(config, environ) if kind == "external" else None
+    if kind == "ray":
+        check_ray_installed()
     if kind == "inline" and (config.num_gpus or 1) != 1:
         raise ConfigError(f"executor='inline' runs one rank; num_gpus={config.num_gpus} needs executor 'mp'")
     world_size = launch.world_size if launch is not None else (config.num_gpus or 1)
@@ -91,4 +93,19 @@ def create_executor(engine: ResolvedEngine) -> Executor:
         from distvideo.executors.mp import MultiprocExecutor
 
         return MultiprocExecutor(engine)
+    if engine.executor == "ray":
+        from distvideo.executors.ray_executor import RayExecutor
+
+        return RayExecutor(engine)
     raise ConfigError(f"executor={engine.executor!r} is not supported")
+
+
+def check_ray_installed() -> None:
+    """executor='ray' needs the optional extra; a clear error (exit 2) without it."""
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        raise ConfigError(
+            "executor='ray' needs Ray, which is not installed: pip install 'distvideo[ray]' (or choose executor "
+            "'mp' for ranks on this machine)"
+        )

@@ -1,0 +1,341 @@
+"""The Ray executor: one actor per rank on a Ray cluster, placed by a placement group of one bundle per rank.
+
+Start-up: connect to the cluster (`ray_address`, else a running one, else a local one on 127.0.0.1 without a
+dashboard), check `ray.cluster_resources()` against the bundles, reserve a PACK placement group (bounded wait), start
+one actor per bundle, order the ranks by node with the driver's node first, and let them meet through env:// at rank
+0's node on a port free there. Ray gives each actor its `CUDA_VISIBLE_DEVICES`.
+
+A call is one actor method call per rank; the driver waits on their object refs with `ray.wait` in short slices, so a
+dead actor (ActorDiedError) is reported at once. Events and cancellation travel through one small `CallControl` actor
+(ray_rank.py). The executor contract (executors/base.py) is as on mp: per-call timeouts, lockstep settling, one
+RankFailure; a timeout, a dead rank, a stuck lockstep call or Ctrl-C kill every actor and the placement group.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+from distvideo.engine import ResolvedEngine
+from distvideo.errors import ConfigError, RankFailure, WorkerDiedError
+from distvideo.executors.base import (
+    PLAIN,
+    SETTLE_S,
+    SHUT_DOWN,
+    CallOptions,
+    Executor,
+    RankStatus,
+    check_reply_rank,
+    collective_error,
+    method_name,
+    must_settle,
+)
+from distvideo.executors.mp_wire import remote_traceback
+from distvideo.executors.ray_rank import CallControl, RankActor
+
+logger = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT_S = 5.0  # an address that does not answer within this is unreachable
+PLACEMENT_TIMEOUT_S = 60.0  # the cluster has the resources but others hold them: give up after this
+WAIT_SLICE_S = 0.2  # one ray.wait: events are drained and Ctrl-C is seen at least this often
+STARTUP_TIMEOUT_S = 900.0  # loading the model on every rank
+STOP_GRACE_FACTOR, STOP_GRACE_S = 2.0, 30.0  # as mp: a self-limited call unanswered this long after is stuck
+
+
+def connect(address: str | None) -> bool:
+    """Join the cluster at `address` ('auto' or HOST:PORT), else a running one, else start a local one on 127.0.0.1.
+    Whether this call connected (False: the process was already connected, and stays so after shutdown)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    options: dict[str, Any] = {"include_dashboard": False, "logging_level": logging.WARNING, "log_to_driver": True}
+    if address not in (None, "auto"):
+        assert address is not None
+        host, _, port = address.rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
+        except OSError as exc:
+            raise ConfigError(
+                f"ray_address={address!r}: no Ray cluster answers there within {CONNECT_TIMEOUT_S:g} s ({exc}); "
+                "give the head node's GCS address (ray start --head prints it) or 'auto'"
+            ) from None
+        ray.init(address=address, **options)
+        return True
+    try:
+        ray.init(address="auto", **options)
+    except ConnectionError:
+        if address == "auto":
+            raise ConfigError("ray_address='auto': no running Ray cluster found on this machine") from None
+        logger.info("no running Ray cluster: starting a local one on 127.0.0.1")
+        ray.init(address="local", _node_ip_address="127.0.0.1", **options)
+    return True
+
+
+def bundles_for(engine: ResolvedEngine, cluster: dict[str, float]) -> list[dict[str, float]]:
+    """One bundle per rank: a GPU where the ranks run on CUDA (device 'cuda...', or unset on a cluster with GPUs)."""
+    device = engine.config.device or ("cuda" if cluster.get("GPU", 0) > 0 else "cpu")
+    kind = "GPU" if device.startswith("cuda") else "CPU"
+    return [{kind: 1.0} for _ in range(engine.world_size)]
+
+
+def check_resources(bundles: list[dict[str, float]], cluster: dict[str, float]) -> None:
+    need: dict[str, float] = {}
+    for bundle in bundles:
+        for name, amount in bundle.items():
+            need[name] = need.get(name, 0.0) + amount
+    short = {k: v for k, v in need.items() if cluster.get(k, 0.0) < v}
+    if short:
+        has = ", ".join(f"{k}={v:g}" for k, v in sorted(cluster.items()) if k in ("CPU", "GPU") or k in need)
+        raise ConfigError(
+            f"the Ray cluster is too small: {len(bundles)} bundle(s) {bundles[0]} needed (num_gpus={len(bundles)}), "
+            f"it has {has or 'nothing'}; add nodes or pass a smaller num_gpus"
+        )
+
+
+def rank_order(driver_node: str, nodes: list[str]) -> list[int]:
+    """Bundle indices in rank order: grouped by node, the driver's node first, then nodes as Ray placed them."""
+    first_seen = {node: i for i, node in reversed(list(enumerate(nodes)))}
+    return sorted(range(len(nodes)), key=lambda i: (nodes[i] != driver_node, first_seen[nodes[i]], i))
+
+
+class RayExecutor(Executor):
+    """`num_gpus` Ray actors, one rank each; this process (the driver) holds the output."""
+
+    def __init__(self, engine: ResolvedEngine):
+        super().__init__()
+        import ray
+
+        self.engine = engine
+        self.world_size = engine.world_size
+        self._actors: list[Any] = []  # in rank order
+        self._placement: Any = None
+        self._control: Any = None
+        self._next_id = 0
+        self._dead: str | None = None
+        self._closed = False
+        self._connected = connect(engine.config.ray_address)
+        try:
+            resources: dict[str, Any] = ray.cluster_resources()  # type: ignore[no-untyped-call]
+            cluster = {k: float(v) for k, v in resources.items()}
+            bundles = bundles_for(engine, cluster)
+            check_resources(bundles, cluster)
+            self._start(bundles)
+        except BaseException:
+            self._dead = "start-up failed"
+            self._release()
+            raise
+
+    def _start(self, bundles: list[dict[str, float]]) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self._placement = placement_group(bundles, strategy="PACK", name="distvideo")
+        try:
+            ray.get(self._placement.ready(), timeout=PLACEMENT_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            free = ray.available_resources()  # type: ignore[no-untyped-call]
+            raise RuntimeError(
+                f"the Ray cluster could not reserve {len(bundles)} bundle(s) {bundles[0]} within "
+                f"{PLACEMENT_TIMEOUT_S:g} s: other jobs hold them (free now: {free})"
+            ) from None
+        self._control = ray.remote(CallControl).options(num_cpus=0).remote()
+        kind = next(iter(bundles[0]))
+        actors: list[Any] = []
+        for index in range(len(bundles)):
+            strategy = PlacementGroupSchedulingStrategy(self._placement, placement_group_bundle_index=index)
+            options: dict[str, Any] = {"num_cpus": 1 if kind == "CPU" else 0, "num_gpus": 1 if kind == "GPU" else 0}
+            actors.append(ray.remote(RankActor).options(scheduling_strategy=strategy, **options).remote())
+        self._actors = actors  # bundle order until ranked: killed on failure either way
+        places: list[tuple[str, str]] = ray.get([a.place.remote() for a in actors], timeout=STARTUP_TIMEOUT_S)
+        order = rank_order(ray.get_runtime_context().get_node_id(), [p[0] for p in places])
+        self._actors = [actors[i] for i in order]
+        nodes = [places[i][0] for i in order]
+        registered: list[dict[str, Any]] = ray.nodes()  # type: ignore[no-untyped-call]
+        address = {n["NodeID"]: n["NodeManagerAddress"] for n in registered}[nodes[0]]  # as the node registered
+        master = (address, int(ray.get(self._actors[0].free_port.remote(address), timeout=60)))
+        logger.debug("ray ranks on nodes %s (CUDA_VISIBLE_DEVICES %s), rendezvous at %s:%d", nodes, places, *master)
+        starts = [
+            actor.start.remote(self.engine, rank, nodes[:rank].count(nodes[rank]), nodes.count(nodes[rank]), master)
+            for rank, actor in enumerate(self._actors)
+        ]
+        statuses = self._gather(starts, "start-up", STARTUP_TIMEOUT_S, PLAIN, 0)
+        failed = [s for s in statuses if not s.ok]
+        if failed:
+            lines = [f"the ray executor could not start: {len(failed)} of {self.world_size} rank(s) failed:"]
+            lines += [f"  rank {s.rank}: {s.error_type}: {s.error_message}" for s in failed]
+            lines.append(f"model: {self.engine.config.model}")
+            error = RankFailure("\n".join(lines), {s.rank: (s.error_type, s.error_message) for s in failed})
+            raise error from remote_traceback(failed)
+
+    @property
+    def is_output_rank(self) -> bool:
+        return True
+
+    # -- calls -----------------------------------------------------------------------------------
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        unique_reply_rank: int | None = None,
+        *,
+        options: CallOptions = PLAIN,
+    ) -> Any:
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"collective_rpc: timeout={timeout} must be a positive number of seconds, or None")
+        check_reply_rank(self.world_size, unique_reply_rank)
+        self.check_health()
+        if options.self_limit is not None:
+            stuck = STOP_GRACE_FACTOR * options.self_limit + STOP_GRACE_S
+            timeout = stuck if timeout is None else min(timeout, stuck)
+        self._next_id += 1
+        call_id = self._next_id
+        control = self._control if (options.on_event is not None or options.stop is not None) else None
+        if options.stop is not None:
+            options.stop.on_set(lambda: self._cancel(call_id))
+        refs = [
+            actor.call.remote(
+                call_id,
+                method,
+                tuple(args),
+                dict(kwargs or {}),
+                control,
+                options.on_event is not None,
+                options.stop is not None,
+                unique_reply_rank in (None, rank),
+            )
+            for rank, actor in enumerate(self._actors)
+        ]
+        try:
+            statuses = self._gather(refs, f"collective_rpc({method_name(method)!r})", timeout, options, call_id)
+        except KeyboardInterrupt:
+            self._dead = f"interrupted (KeyboardInterrupt) during collective_rpc({method_name(method)!r})"
+            self._release()
+            raise
+        error = collective_error(method, statuses)
+        if error is not None:
+            raise error from remote_traceback(s for s in statuses if not s.ok)
+        if unique_reply_rank is not None:
+            return statuses[unique_reply_rank].result
+        return [s.result for s in statuses]
+
+    def _cancel(self, call_id: int) -> None:
+        if self._control is not None and self._dead is None:
+            self._control.cancel.remote(call_id)
+
+    def check_health(self) -> None:
+        if self._closed:
+            raise RuntimeError(SHUT_DOWN)
+        if self._dead is not None:
+            raise RuntimeError(f"the ray executor is dead: {self._dead}. Create a new VideoGenerator to continue.")
+
+    def _gather(
+        self, refs: list[Any], what: str, timeout: float | None, options: CallOptions, call_id: int
+    ) -> list[RankStatus]:
+        """Every rank's status, in rank order; events drained to `options.on_event` as the ranks emit them."""
+        import ray
+
+        rank_of = {ref: rank for rank, ref in enumerate(refs)}
+        statuses: dict[int, RankStatus] = {}
+        pending = list(refs)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        settle_end: float | None = None
+        while pending:
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                assert timeout is not None
+                self._stuck(what, f"timed out after {timeout:g} s", [rank_of[r] for r in pending], TimeoutError)
+            if settle_end is not None and now >= settle_end:
+                self._blocked(what, list(statuses.values()), [rank_of[r] for r in pending])
+            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=WAIT_SLICE_S)
+            for ref in ready:
+                rank = rank_of[ref]
+                try:
+                    statuses[rank] = ray.get(ref)
+                except ray.exceptions.RayActorError as exc:
+                    self._died(rank, what, exc)
+                except ray.exceptions.RayError as exc:  # Ray could not run the call there (e.g. unpickling it)
+                    statuses[rank] = RankStatus.from_exception(rank, getattr(exc, "cause", None) or exc)
+                if options.lockstep and must_settle(statuses[rank]) and settle_end is None:
+                    settle_end = time.monotonic() + SETTLE_S
+            self._drain(options, call_id)
+        self._drain(options, call_id)
+        return [statuses[r] for r in range(len(refs))]
+
+    def _drain(self, options: CallOptions, call_id: int) -> None:
+        if options.on_event is None or self._control is None:
+            return
+        import ray
+
+        for event_call, value in ray.get(self._control.drain.remote()):
+            if event_call == call_id:
+                options.on_event(value)
+
+    def _died(self, rank: int, what: str, exc: BaseException) -> NoReturn:
+        cause = type(exc).__name__
+        self._dead = f"rank {rank} died ({cause}) during {what}"
+        self._release()
+        raise WorkerDiedError(
+            f"{self._dead}; the other ranks' actors were killed and this VideoGenerator can no longer be used: "
+            f"create a new one. Ray said: {str(exc).splitlines()[0] if str(exc) else cause}"
+        ) from exc
+
+    def _stuck(self, what: str, why: str, pending: list[int], error: type[Exception]) -> NoReturn:
+        ranks = ", ".join(f"rank {r}" for r in pending)
+        self._dead = f"{what} {why} (no answer from {ranks})"
+        self._release()
+        raise error(
+            f"{what} {why}: no answer from {ranks}. A call cannot be interrupted inside an actor, so every rank's "
+            "actor was killed; create a new VideoGenerator to continue."
+        )
+
+    def _blocked(self, what: str, answered: list[RankStatus], pending: list[int]) -> NoReturn:
+        error = collective_error(what, answered)
+        assert error is not None
+        failures: dict[int, tuple[str, str]] = getattr(error, "failures", {})
+        blocked = ", ".join(str(r) for r in pending)
+        self._dead = f"rank(s) {', '.join(map(str, failures))} failed while rank(s) {blocked} waited for them"
+        self._release()
+        raise RankFailure(
+            f"{error}\nrank(s) {blocked} were still inside the call {SETTLE_S:.0f} s later, blocked in a collective "
+            "the failed rank(s) will never join; every actor was killed and this VideoGenerator can no longer be "
+            "used: create a new one.",
+            failures,
+        ) from remote_traceback(s for s in answered if not s.ok)
+
+    # -- shutdown --------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        if self._dead is None and self._actors:
+            import ray
+
+            try:  # leave the process group cleanly; killed below either way
+                ray.get([a.stop.remote() for a in self._actors], timeout=10)
+            except Exception as exc:
+                logger.debug("ray ranks did not stop cleanly: %s", exc)
+        self._closed = True
+        self._release()
+
+    def _release(self) -> None:
+        """Kill every actor, remove the placement group, disconnect if this executor connected. Safe twice."""
+        import ray
+
+        self._dead = self._dead or "shut down"
+        actors, self._actors = self._actors, []
+        for actor in [*actors, self._control]:
+            if actor is not None:
+                ray.kill(actor, no_restart=True)
+        self._control = None
+        placement, self._placement = self._placement, None
+        if placement is not None:
+            ray.util.remove_placement_group(placement)
+        if self._connected:
+            self._connected = False
+            ray.shutdown()
