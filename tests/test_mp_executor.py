@@ -365,6 +365,7 @@ def test_a_rank_failing_at_start_up_is_named(model_path: str, tmp_path: Path, mo
         )
     )
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("DISTVIDEO_MP_START", "spawn")  # a new interpreter runs the sitecustomize; a fork would not
     monkeypatch.setenv("DISTVIDEO_TEST_FAIL_INIT_RANK", "1")
     before = spawned_children()
     start = time.monotonic()
@@ -409,6 +410,7 @@ def test_start_up_depends_on_no_port_chosen_in_advance(
     signals = tmp_path / "signals"
     signals.mkdir()
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("DISTVIDEO_MP_START", "spawn")  # a new interpreter runs the sitecustomize; a fork would not
     monkeypatch.setenv("DISTVIDEO_TEST_RENDEZVOUS_DIR", str(signals))
     with VideoGenerator.from_pretrained(model_path, num_gpus=2, executor="mp") as gen:
         assert gen.collective_rpc(rank_of) == [0, 1]

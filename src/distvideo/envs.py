@@ -121,6 +121,13 @@ _declare(
     "Default offload: none keeps every component on the device; text keeps the text encoder in host memory except "
     "while it encodes; model does so for the text encoder, the image encoder and the VAE (docs/performance.md).",
 )
+_declare(
+    "DISTVIDEO_MP_START",
+    _choice("forkserver", "spawn"),
+    "forkserver",
+    "How the mp executor starts its workers: forked from a fork server that imported torch, diffusers and distvideo "
+    "once per driver process (a second executor starts in a fraction of a second), or spawned as new interpreters.",
+)
 
 # --- launcher variables (read by distvideo.launch; torchrun, Open MPI, MPICH/Intel MPI, Slurm) ---
 _LAUNCH_DOCS = {
@@ -260,6 +267,18 @@ def written_here() -> set[str]:
     """The variables set_external wrote into this process where it had none, still holding what was written: not the
     launcher's (a second generator under mpirun must still see Open MPI's variables as its launcher's, not RANK)."""
     return {name for name, value in _WRITTEN.items() if os.environ.get(name) == value}
+
+
+def whole_environment() -> dict[str, str]:
+    """Every variable of this process: what a process it started now would inherit (the mp executor's workers take
+    it from their driver, executors/mp_start.py)."""
+    return dict(os.environ)
+
+
+def replace_environment(environ: Mapping[str, str]) -> None:
+    """Make this process's environment exactly `environ` (a worker forked from the fork server taking its driver's)."""
+    os.environ.clear()
+    os.environ.update(environ)
 
 
 def unset(names: Iterable[str]) -> None:

@@ -1,11 +1,10 @@
-"""The mp executor's worker processes: spawning them around a private rendezvous, waiting for their start-up
+"""The mp executor's worker processes: starting them (executors/mp_start.py) around a private rendezvous, waiting for their start-up
 reports, and stopping them (ask, then SIGTERM, then SIGKILL)."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import multiprocessing
 import os
 import pickle
 import select
@@ -20,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from distvideo.engine import ResolvedEngine
 from distvideo.errors import RankFailure
+from distvideo.executors import mp_start
 from distvideo.executors.base import RankStatus
 from distvideo.executors.mp_wire import (
     HEADER,
@@ -58,31 +58,38 @@ class WorkerProcesses:
         self.control = ControlBlock()  # the driver writes, the workers read between denoising steps
 
     def spawn(self) -> None:
-        ctx = multiprocessing.get_context("spawn")
+        ctx = mp_start.context()
         # A private rendezvous: a file store in a directory only this user can open (mkdtemp makes it 0700); no port
         # is chosen, released and reused, and no store listens on the network.
         self._rendezvous_dir = tempfile.mkdtemp(prefix="distvideo-rendezvous-")
         init_method = f"file://{os.path.join(self._rendezvous_dir, 'store')}"
-        # The parent-death signal fires when the spawning *thread* ends; set it only when that is the
-        # main thread, which lives as long as the process (the watchdog covers the other case).
-        parent_death_signal = threading.current_thread() is threading.main_thread()
+        # The parent-death signal fires when the thread that started the worker ends: the fork server's main thread
+        # (it leaves with this process), or when spawned, this thread; then only the main thread lives as long as
+        # the process (the watchdog covers the other case).
+        forked = ctx.get_start_method() == "forkserver"
+        parent_death_signal = forked or threading.current_thread() is threading.main_thread()
         for rank in range(self.world_size):
             parent_end, child_end = ctx.Pipe(duplex=True)
             proc = ctx.Process(
                 target=worker_main,
                 name=f"distvideo-rank{rank}",
                 args=(child_end, self.engine, rank, init_method, self.control.name),
-                kwargs={"parent_pid": os.getpid(), "parent_death_signal": parent_death_signal},
+                kwargs={
+                    "parent_pid": os.getpid(),
+                    "parent_death_signal": parent_death_signal,
+                    "driver": mp_start.DriverState(),
+                },
             )
-            with _sigint_blocked():
+            with _sigint_blocked():  # the fork server, started by the first worker, inherits the mask too
                 proc.start()
             child_end.close()  # the driver keeps its end only: a dead worker reads as end of file
+            mp_start.send_stdio(parent_end)
             self.procs.append(proc)
             self.conns.append(parent_end)
             for fd, is_pipe in ((parent_end.fileno(), True), (proc.sentinel, False)):
                 self.poller.register(fd, select.POLLIN)
                 self.fd_owner[fd] = (is_pipe, rank)
-        logger.debug("spawned %d workers (%s)", self.world_size, init_method)
+        logger.debug("started %d workers (%s, %s)", self.world_size, ctx.get_start_method(), init_method)
 
     def await_startup(self) -> None:
         """Wait until every rank reports ready; on the first failure, give the others a moment to report

@@ -1,6 +1,6 @@
-"""The mp executor's worker process: one spawned rank that starts a Worker, reports, and serves the driver's calls
-until shutdown or end of file; it ends itself when the driver dies (parent death signal, a watchdog on the parent
-pid, end of file on the pipe)."""
+"""The mp executor's worker process: one rank (forked from the fork server, or spawned: executors/mp_start.py) that
+starts a Worker, reports, and serves the driver's calls until shutdown or end of file; it ends itself when the driver
+dies (parent death signal, a watchdog on the driver's pid and its own parent's, end of file on the pipe)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from multiprocessing.shared_memory import SharedMemory
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from distvideo.engine import ResolvedEngine
+from distvideo.executors import mp_start
 from distvideo.executors.base import RankStatus, call_hooks, run_guarded
 from distvideo.executors.mp_wire import (
     HEADER,
@@ -55,10 +56,21 @@ def _set_parent_death_signal(sig: int) -> bool:
         return False
 
 
-def _watch_parent(parent_pid: int) -> None:
-    """Leave when the driver is gone (re-parented), even while the main thread is busy in a call."""
+def _driver_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _watch_parent(parent_pid: int, parent: int) -> None:
+    """Leave when the driver is gone, even while the main thread is busy in a call: re-parented (`parent` is the
+    driver, or the fork server that forked this worker and leaves with the driver), or the driver no longer exists."""
     while True:
-        if os.getppid() != parent_pid:
+        if os.getppid() != parent or not _driver_alive(parent_pid):
             os._exit(1)
         time.sleep(PARENT_POLL_S)
 
@@ -93,13 +105,20 @@ def worker_main(
     *,
     parent_pid: int,
     parent_death_signal: bool,
+    driver: mp_start.DriverState,
 ) -> None:
-    """One spawned rank: start the Worker, report, then serve calls until shutdown or end of file."""
+    """One rank: take the driver's state, start the Worker, report, then serve calls until shutdown or end of file."""
+    if not mp_start.receive_stdio(conn):  # the driver closed the pipe before sending: it is gone
+        os._exit(1)
+    driver.apply()
     if parent_death_signal:
         _set_parent_death_signal(signal.SIGKILL)
-    if os.getppid() != parent_pid:  # the driver died before the signal was armed
+    parent = os.getppid()  # the driver (spawned) or the fork server (forked), read after the signal is armed
+    if not _driver_alive(parent_pid) or parent == 1:  # the driver died before the signal was armed
         os._exit(1)
-    threading.Thread(target=_watch_parent, args=(parent_pid,), name="distvideo-parent-watchdog", daemon=True).start()
+    watchdog = threading.Thread(target=_watch_parent, args=(parent_pid, parent), name="distvideo-parent-watchdog")
+    watchdog.daemon = True
+    watchdog.start()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the driver decides
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked at spawn; ignored from now on
