@@ -1,6 +1,9 @@
 """distvideo: run video diffusion transformers on one or many devices, under torchrun, srun, mpirun
 or its own worker processes."""
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from distvideo import envs
 
 envs.reproducible_cpu_math()  # before anything computes: MKL reads its mode once (envs.MKL_REPRODUCIBLE)
@@ -19,8 +22,22 @@ from distvideo.errors import (  # noqa: E402
     VideoWriteError,
     WorkerDiedError,
 )
-from distvideo.generator import GenerationResult, VideoGenerator  # noqa: E402
 from distvideo.request import GenerationRequest  # noqa: E402
+
+if TYPE_CHECKING:
+    from distvideo.generator import GenerationResult, VideoGenerator
+
+#: imported at first use, so that `import distvideo` (the CLI's bad-input exits, --help) does not import torch
+_LAZY = {"GenerationResult": "distvideo.generator", "VideoGenerator": "distvideo.generator"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'distvideo' has no attribute {name!r}")
+
 
 __version__ = "0.1.0"
 __all__ = [

@@ -24,7 +24,7 @@ from distvideo.bench.measure import (
     rank_matmul_flops,
     run_ratios,
 )
-from distvideo.bench.plan import BenchPlan, plan_from_args
+from distvideo.bench.plan import BenchPlan
 from distvideo.bench.report import build_report, format_report, write_json
 from distvideo.request import GenerationRequest
 
@@ -47,10 +47,10 @@ def _quiet_generator_log(level: str | None) -> Iterator[None]:
         gen_logger.setLevel(previous)
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
+def cmd_bench(args: argparse.Namespace, plan: BenchPlan) -> int:
+    """Run the checked `plan` (`plan_from_args(args)`)."""
     from distvideo.generator import VideoGenerator
 
-    plan = plan_from_args(args)  # bad input exits 2 here, before any process or weight
     engine = plan.engine
     # the diffusers process imports its libraries while distvideo loads, when one rank is expected
     baseline = DiffusersBaseline() if plan.compare == "diffusers" and engine.world_size == 1 else None

@@ -32,7 +32,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from distvideo.bench import add_bench_parser
+    from distvideo.bench.plan import add_bench_parser
 
     parser = _Parser(prog="distvideo", description="Distributed inference for video diffusion transformers.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -142,7 +142,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from distvideo import envs
     from distvideo.serving.admission import PRESETTABLE
     from distvideo.serving.options import options_from_args
-    from distvideo.serving.server import serve
 
     engine_config, request_section = engine_config_from_args(args)
     ignored = sorted(set(request_section) - set(PRESETTABLE))
@@ -152,6 +151,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             f"{', '.join(PRESETTABLE)} (each request brings its prompt; the server names the files)"
         )
     options = options_from_args(args, api_key_default=envs.get("DISTVIDEO_API_KEY"))
+    from distvideo.serving.server import serve  # after the options are checked: bad input exits 2 without torch
+
     return serve(engine_config, options, presets=request_section)
 
 
@@ -176,9 +177,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return cmd_calibrate(args)
         if args.command == "bench":
-            from distvideo.bench import cmd_bench
+            from distvideo.bench.plan import plan_from_args
 
-            return cmd_bench(args)
+            plan = plan_from_args(args)  # bad input exits 2 here, before torch is imported or any weight loads
+            from distvideo.bench.run import cmd_bench
+
+            return cmd_bench(args, plan)
         parser.error(f"unknown command {args.command!r}")
     except ConfigError as exc:
         print(f"distvideo: error: {exc}", file=sys.stderr)
