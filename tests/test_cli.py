@@ -117,3 +117,33 @@ def test_failure_during_encoding_leaves_no_partial_video_and_keeps_the_frames(tm
     err = capsys.readouterr().err
     assert "disk full" in err and "clip.frames.npy" in err
     assert [p.name for p in tmp_path.iterdir()] == ["clip.frames.npy"]  # no partial video; the frames are kept
+
+
+NO_TORCH_PROBE = """
+import sys
+from distvideo.cli.main import main
+code = main(sys.argv[1:])
+heavy = sorted(m for m in ("torch", "diffusers", "transformers", "fastapi") if m in sys.modules)
+print(code, ",".join(heavy) or "none")
+"""
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate", "--prompt", "x", "--steps", "-1"],
+        ["generate", "--prompt", "x", "--height", "33"],
+        ["serve", "--port", "-5"],
+        ["bench", "--steps", "0"],
+        ["calibrate", "--steps", "0"],
+        ["generate", "--help"],
+    ],
+    ids=["generate-steps", "generate-height", "serve-port", "bench-steps", "calibrate-steps", "help"],
+)
+def test_bad_input_and_help_exit_before_torch_is_imported(argv):
+    """A refused command answers in a fraction of a second: it checks its input before it imports torch, diffusers,
+    transformers or FastAPI (about 2-4 s of imports on a laptop)."""
+    proc = subprocess.run([sys.executable, "-c", NO_TORCH_PROBE, *argv], capture_output=True, text=True, timeout=60)
+    code, heavy = proc.stdout.strip().splitlines()[-1].split()
+    assert heavy == "none", (argv, heavy, proc.stderr)
+    assert int(code) == (0 if "--help" in argv else 2), proc.stderr
