@@ -66,7 +66,17 @@ class StoreChannel:
 
 def connect(env: LaunchEnv, namespace: str) -> StoreChannel:
     """A new connection to the job's rendezvous store (`env.master_addr:env.master_port`) for `namespace`."""
-    store = dist.TCPStore(
-        env.master_addr, env.master_port, is_master=False, timeout=CALL_TIMEOUT, wait_for_workers=False
-    )
+    return connect_to(env.master_addr, env.master_port, namespace)
+
+
+def connect_to(host: str, port: int, namespace: str) -> StoreChannel:
+    """A new connection to the store at `host:port` (a launched job's, or one :func:`host_loopback` started)."""
+    store = dist.TCPStore(host, port, is_master=False, timeout=CALL_TIMEOUT, wait_for_workers=False)
     return StoreChannel(store, namespace)
+
+
+def host_loopback() -> tuple[dist.Store, int]:
+    """A store for processes of this machine that no launcher gave one (the mp executor's workers): hosted by this
+    process on 127.0.0.1 and a free port, for as long as the returned server object lives. Returns it and the port."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=CALL_TIMEOUT, wait_for_workers=False)
+    return server, int(server.port)

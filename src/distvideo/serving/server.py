@@ -13,6 +13,7 @@ import fcntl
 import ipaddress
 import logging
 import os
+import secrets
 import socket
 import sys
 import threading
@@ -25,11 +26,14 @@ from distvideo.errors import ConfigError, ProcessGroupBrokenError
 from distvideo.executors import resolve_engine
 from distvideo.serving.adapters import Adapters
 from distvideo.serving.admission import Admission
+from distvideo.serving.board import ReplicaBoard
 from distvideo.serving.channel import JobChannel
 from distvideo.serving.events import JobEvents
 from distvideo.serving.jobs import UNHEALTHY, Service
 from distvideo.serving.lifecycle import HttpServer, StopSignals, bind
 from distvideo.serving.options import ServeOptions, describe
+from distvideo.serving.pool import ReplicaPool
+from distvideo.serving.replica_loop import ReplicaSpec, run_replica
 from distvideo.serving.runner import EngineLoop, follow
 from distvideo.serving.store import STORE_NAME, JobStore
 
@@ -60,6 +64,7 @@ class Frontend:
         if recovered:
             logger.info("marked %d job(s) left queued or running by the previous server as failed", recovered)
         self.service = Service(options.max_queue)
+        self.board = ReplicaBoard(engine.layout.replicas)
         self.admission = Admission(
             model=engine.model,
             model_id=engine.model.path.name,
@@ -68,7 +73,7 @@ class Frontend:
             adapters=frozenset(options.lora_adapters),
             presets=presets,
         )
-        self.loop: EngineLoop | None = None
+        self.loop: EngineLoop | ReplicaPool | None = None
         self.http: HttpServer | None = None
 
     def start_http(self, engine: ResolvedEngine, options: ServeOptions) -> None:
@@ -84,6 +89,7 @@ class Frontend:
             events=self.events,
             api_keys=options.api_keys(),
             max_body_bytes=options.max_body_bytes,
+            board=self.board,
         )
         self.http = HttpServer(create_app(ctx), self.sock)
         self.http.start()
@@ -122,6 +128,13 @@ def serve(config: EngineConfig, options: ServeOptions, presets: dict[str, Any] |
     2) before anything starts."""
     base_lora = list(config.lora)
     engine = resolve_engine(dataclasses.replace(config, lora=[]))  # adapters are the service's (adapters.py)
+    replicas = engine.layout.replicas
+    if replicas > 1 and options.lora_adapters:
+        raise ConfigError(
+            f"--lora-adapter with --replicas {replicas}: request-selectable adapters switch the weights of every "
+            "rank between jobs, which replicas running different jobs at once cannot share; serve them with "
+            "--replicas 1, or load fixed adapters with --lora (every job gets them)"
+        )
     rank = engine.launch.rank if engine.launch is not None else 0
     rank0 = Frontend(engine, options, dict(presets or {})) if rank == 0 else None
     stop = threading.Event()
@@ -156,14 +169,26 @@ def serve(config: EngineConfig, options: ServeOptions, presets: dict[str, Any] |
         adapters.load()
         if engine.launch is not None and engine.world_size > 1:
             channel = JobChannel.open(gen, engine.launch)
+        spec, store_host = _replica_spec(gen, engine, channel) if replicas > 1 else (None, None)
         if rank0 is None:
             assert channel is not None
             if stop.is_set():
                 channel.request_stop(stop_reason[0])
-            code = follow(gen, channel, adapters)
+            if spec is not None:
+                gen.collective_rpc(run_replica, args=(spec,))
+                code = 0
+            else:
+                code = follow(gen, channel, adapters)
             print(f"distvideo serve: rank {rank} stopped", flush=True)
             return code
-        return _run_rank0(rank0, gen, adapters, channel, stop, stop_reason, options)
+        loop: EngineLoop | ReplicaPool = (
+            EngineLoop(gen, rank0.service, rank0.store, adapters, channel, rank0.board)
+            if spec is None
+            else ReplicaPool(gen, rank0.service, rank0.store, rank0.board, spec)
+        )
+        code = _run_rank0(rank0, loop, gen, channel, stop, stop_reason, options)
+        del store_host  # the replicas' store under mp lives until every replica stopped
+        return code
     except ProcessGroupBrokenError as exc:
         print(f"distvideo serve: error: {exc}", file=sys.stderr, flush=True)
         return 1
@@ -175,24 +200,42 @@ def serve(config: EngineConfig, options: ServeOptions, presets: dict[str, Any] |
         signals.restore()
 
 
+def _replica_spec(
+    gen: GeneratorHandle, engine: ResolvedEngine, channel: JobChannel | None
+) -> tuple[ReplicaSpec, object | None]:
+    """Where the replicas meet rank 0: the launcher's store under this session's namespace, or, under mp (no
+    launcher), a store this process hosts on loopback (returned too: it lives as long as the caller holds it)."""
+    if channel is not None:
+        env = channel.env
+        return ReplicaSpec(env.master_addr, env.master_port, f"{channel.namespace}/replicas"), None
+    from distvideo.executors.store import host_loopback
+
+    server, port = host_loopback()
+    return ReplicaSpec("127.0.0.1", port, f"serve/{secrets.token_hex(8)}/replicas"), server
+
+
 def _run_rank0(
     rank0: Frontend,
+    loop: EngineLoop | ReplicaPool,
     gen: GeneratorHandle,
-    adapters: Adapters,
     channel: JobChannel | None,
     stop: threading.Event,
     stop_reason: list[str],
     options: ServeOptions,
 ) -> int:
-    loop = rank0.loop = EngineLoop(gen, rank0.service, rank0.store, adapters, channel)
+    rank0.loop = loop
     if channel is not None:
         channel.watch_stop_requests(lambda reason: loop.begin_shutdown(reason, options.shutdown_grace))
     if stop.is_set():  # a signal during loading
         loop.begin_shutdown(stop_reason[0], options.shutdown_grace)
     else:
         rank0.service.set_ready()
-        print(f"distvideo serve: ready ({gen.engine.executor}, {gen.world_size} rank(s))", flush=True)
+        replicas = rank0.board.replicas
+        shown = f", {replicas} replicas" if replicas > 1 else ""
+        print(f"distvideo serve: ready ({gen.engine.executor}, {gen.world_size} rank(s){shown})", flush=True)
     code = loop.run()
+    if channel is not None and isinstance(loop, ReplicaPool):
+        channel.request_stop("the service stopped")  # wakes rank 0's own stop watcher
     if code != 0:
         print(f"distvideo serve: error: {rank0.service.health_detail}", file=sys.stderr, flush=True)
     elif rank0.service.health != UNHEALTHY:
