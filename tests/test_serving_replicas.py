@@ -17,8 +17,6 @@ import pytest
 
 from serving_harness import HELD, SMALL, Served, jobs_in_store, start_server
 
-pytestmark = pytest.mark.slow
-
 LONG = {**SMALL, "num_inference_steps": 120}  # slowed down by the harness: 6 s or more whatever the machine
 
 
@@ -72,6 +70,20 @@ def metric(server: Served, name: str) -> float:
     raise AssertionError(f"{name} not in /metrics")
 
 
+def test_request_adapters_with_replicas_exit_2_before_anything_starts(tmp_path, capsys):
+    from distvideo.cli.main import main
+
+    adapter = tmp_path / "style.safetensors"
+    adapter.touch()
+    output = tmp_path / "out"
+    argv = ["serve", "--executor", "mp", "--num-gpus", "2", "--replicas", "2", "--port", "0", "--output", str(output)]
+    assert main([*argv, "--lora-adapter", f"style={adapter}"]) == 2
+    message = capsys.readouterr().err
+    assert "--lora-adapter with --replicas 2" in message and "--replicas 1" in message, message
+    assert not output.exists()  # refused before the store, the port or a rank
+
+
+@pytest.mark.slow
 def test_two_replicas_under_mp(tmp_path):
     with start_server(tmp_path, "mp", args=["--replicas", "2"], hold=True, fail_rank="all") as server:
         # two held jobs: each waits after its first step until released, so both past step 1 means both run at once

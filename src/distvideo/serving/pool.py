@@ -128,6 +128,12 @@ class ReplicaPool:
             job = self.service.take()
             if job is None:
                 break
+            try:
+                message = json.dumps({"kind": "job", "id": job.id, "request": dataclasses.asdict(job.request)})
+            except (TypeError, ValueError) as exc:  # admission resolves requests to JSON values: a bug if not
+                self.store.mark_failed(job.id, "generation_failed", f"the request cannot be sent to a replica: {exc}")
+                self.service.finished(job.id, "failed", 0.0, {})
+                continue
             with self._cond:
                 if self.broken is not None:
                     self.store.mark_failed(job.id, "engine_failure", "the engine failed before this job started")
@@ -137,8 +143,7 @@ class ReplicaPool:
                 self._running[replica] = _Running(self._sent[replica], job)
                 self.board.start(replica, job.id)
                 self.store.mark_running(job.id, replica=replica)
-                message = {"kind": "job", "id": job.id, "request": dataclasses.asdict(job.request)}
-                self._out.set(job_key(replica, self._sent[replica]), json.dumps(message))
+                self._out.set(job_key(replica, self._sent[replica]), message)
         with self._cond:
             while self._running and self.broken is None:
                 self._cond.wait()
@@ -160,7 +165,10 @@ class ReplicaPool:
                 inbox.delete(event_key(replica, m))
                 if event["kind"] == "stopped":
                     return
-                self._record(inbox, replica, event)
+                try:
+                    self._record(inbox, replica, event)
+                except Exception:  # one event that could not be recorded must not stop the replica's reports
+                    logger.exception("recording %s of replica %d failed", event.get("kind"), replica)
         except Exception:
             if self.broken is None:
                 logger.debug("collecting the events of replica %d failed", replica, exc_info=True)

@@ -2,7 +2,8 @@
 
 Rank 0 (or the only process) binds the port, opens the job store and starts the HTTP server before the model loads
 (/health says "loading" meanwhile), then runs the engine loop in the main thread. Under a launcher every other rank
-loads the model and follows rank 0's jobs (channel.py); no other rank opens a port. A stop signal on any rank stops
+loads the model and follows rank 0's jobs (channel.py); no other rank opens a port. With `--replicas N` (N > 1) every
+rank runs its replica's loop instead (replica_loop.py) and rank 0 hands jobs to idle replicas (pool.py). A stop signal on any rank stops
 admission, gives the running job the grace period, reaches every rank and exits 0; an engine failure exits 1.
 """
 
