@@ -70,11 +70,12 @@ class ReplicaPool:
         timer.start()
 
     def cancel(self, job_id: str) -> bool:
-        """A client's DELETE of a running job: its replica stops it at the next step. False if it is not running."""
+        """A client's DELETE of a running job: its replica stops it at the next step. False if it is not running (yet:
+        a job the dispatcher has just taken from the queue is stopped as soon as its replica has it)."""
         with self._cond:
+            self._cancelled.add(job_id)
             for replica, running in self._running.items():
                 if running.job.id == job_id:
-                    self._cancelled.add(job_id)
                     self._out.set(cancel_key(replica, running.n), "1")
                     return True
         return False
@@ -144,6 +145,8 @@ class ReplicaPool:
                 self.board.start(replica, job.id)
                 self.store.mark_running(job.id, replica=replica)
                 self._out.set(job_key(replica, self._sent[replica]), message)
+                if job.id in self._cancelled:  # deleted between the queue and here
+                    self._out.set(cancel_key(replica, self._sent[replica]), "1")
         with self._cond:
             while self._running and self.broken is None:
                 self._cond.wait()
