@@ -45,7 +45,7 @@ class ReplicaPool:
         self._stop_reason: str | None = None
         self._grace = 0.0
         self._deadline: float | None = None
-        self._out = connect_to(spec.host, spec.port, spec.namespace)  # rank 0 -> replicas (under self._cond)
+        self._out = connect_to(spec.address, spec.namespace)  # rank 0 -> replicas (under self._cond)
 
     # -- any thread ------------------------------------------------------------------------------
     def begin_shutdown(self, reason: str, grace: float) -> None:
@@ -159,7 +159,7 @@ class ReplicaPool:
     # -- one thread per replica ------------------------------------------------------------------
     def _collect(self, replica: int) -> None:
         """Record replica `replica`'s events in the store, in order, until it stopped."""
-        inbox = connect_to(self.spec.host, self.spec.port, self.spec.namespace)
+        inbox = connect_to(self.spec.address, self.spec.namespace)
         m = 0
         try:
             while self.broken is None:

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from distvideo.errors import ProcessGroupBrokenError, WorkerDiedError
-from distvideo.executors.store import StoreChannel, connect_to
+from distvideo.executors.store import StoreAddress, StoreChannel, connect_to
 from distvideo.media import write_video
 from distvideo.request import GenerationRequest
 
@@ -51,8 +51,7 @@ FATAL = (WorkerDiedError, ProcessGroupBrokenError)
 class ReplicaSpec:
     """Where the replicas' messages are: the store's address and the service session's namespace."""
 
-    host: str
-    port: int
+    address: StoreAddress
     namespace: str
 
 
@@ -115,7 +114,7 @@ class _StepWatch:
 def run_replica(worker: Any, spec: ReplicaSpec) -> int:
     """Run on every rank by `collective_rpc`: this rank's replica's jobs, until rank 0 says stop. Returns how many
     jobs the replica ran."""
-    store = connect_to(spec.host, spec.port, spec.namespace)
+    store = connect_to(spec.address, spec.namespace)
     replica = int(worker.replica)
     reporter = _Reporter(store, replica) if worker.is_output_rank else None
     where = f"rank {worker.rank} (replica {replica})"

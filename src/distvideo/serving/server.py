@@ -25,6 +25,7 @@ from distvideo.config import EngineConfig
 from distvideo.engine import ResolvedEngine
 from distvideo.errors import ConfigError, ProcessGroupBrokenError
 from distvideo.executors import resolve_engine
+from distvideo.executors.store import PrivateStore, StoreAddress
 from distvideo.serving.adapters import Adapters
 from distvideo.serving.admission import Admission
 from distvideo.serving.board import ReplicaBoard
@@ -159,6 +160,7 @@ def serve(config: EngineConfig, options: ServeOptions, presets: dict[str, Any] |
 
     signals = StopSignals(on_stop).install()
     gen = None
+    private: PrivateStore | None = None
     try:
         if rank0 is not None:
             logger.info("serve: %s", describe(options))
@@ -170,7 +172,7 @@ def serve(config: EngineConfig, options: ServeOptions, presets: dict[str, Any] |
         adapters.load()
         if engine.launch is not None and engine.world_size > 1:
             channel = JobChannel.open(gen, engine.launch)
-        spec, store_host = _replica_spec(gen, engine, channel) if replicas > 1 else (None, None)
+        spec, private = _replica_spec(channel) if replicas > 1 else (None, None)
         if rank0 is None:
             assert channel is not None
             if stop.is_set():
@@ -187,32 +189,28 @@ def serve(config: EngineConfig, options: ServeOptions, presets: dict[str, Any] |
             if spec is None
             else ReplicaPool(gen, rank0.service, rank0.store, rank0.board, spec)
         )
-        code = _run_rank0(rank0, loop, gen, channel, stop, stop_reason, options)
-        del store_host  # the replicas' store under mp lives until every replica stopped
-        return code
+        return _run_rank0(rank0, loop, gen, channel, stop, stop_reason, options)
     except ProcessGroupBrokenError as exc:
         print(f"distvideo serve: error: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:
         if gen is not None:
             gen.shutdown()
+        if private is not None:  # the replicas' store under mp, removed once every replica stopped
+            private.close()
         if rank0 is not None:
             rank0.close()
         signals.restore()
 
 
-def _replica_spec(
-    gen: GeneratorHandle, engine: ResolvedEngine, channel: JobChannel | None
-) -> tuple[ReplicaSpec, object | None]:
+def _replica_spec(channel: JobChannel | None) -> tuple[ReplicaSpec, PrivateStore | None]:
     """Where the replicas meet rank 0: the launcher's store under this session's namespace, or, under mp (no
-    launcher), a store this process hosts on loopback (returned too: it lives as long as the caller holds it)."""
+    launcher), a private file store of this user's (returned too: the caller removes it when the service stops)."""
     if channel is not None:
         env = channel.env
-        return ReplicaSpec(env.master_addr, env.master_port, f"{channel.namespace}/replicas"), None
-    from distvideo.executors.store import host_loopback
-
-    server, port = host_loopback()
-    return ReplicaSpec("127.0.0.1", port, f"serve/{secrets.token_hex(8)}/replicas"), server
+        return ReplicaSpec(StoreAddress(env.master_addr, env.master_port), f"{channel.namespace}/replicas"), None
+    private = PrivateStore()
+    return ReplicaSpec(private.address, f"serve/{secrets.token_hex(8)}/replicas"), private
 
 
 def _run_rank0(
