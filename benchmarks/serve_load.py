@@ -1,17 +1,23 @@
 """Load on `distvideo serve`: C concurrent clients submit J jobs in all, one at a time each: a client follows its job
 to the end before submitting the next; a 429 is that job's answer (counted, not retried: the client waits Retry-After
-before its next job). Every status call made while the client's job was generating is timed.
+before its next job). Every status call made while the client's job was generating is timed; with `first_event`, each
+client also opens the job's event stream right after submitting and times its first event from the submission.
 
     .venv/bin/python benchmarks/serve_load.py                       # an inline server on the tiny random-weight model, port 0
     .venv/bin/python benchmarks/serve_load.py --url http://127.0.0.1:8000 --clients 10 --jobs 40
+    .venv/bin/python benchmarks/serve_load.py --compare-replicas    # 2 mp ranks: --replicas 2 vs 1, 16 jobs, 8 clients
 
-Prints one JSON report: jobs accepted / refused with 429 / completed / failed / lost, duplicated ids, and the status
-latency while generating (p50, p90, p99, max in ms). tests/test_serving_load.py runs the same function.
+Prints one JSON report: jobs accepted / refused with 429 / completed / failed / lost / run more than once (a job whose
+event history starts twice), duplicated ids, jobs per second, the status latency while generating (p50, p90, p99, max
+in ms) and the first event's latency. Clients use the official OpenAI SDK (`openai`) when it is installed (`--client
+openai`), else httpx. tests/test_serving_load.py runs the same function. Figures belong in docs/BENCHMARKS.md with the
+command and the machine, measured on a machine that is not busy.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import re
 import subprocess
@@ -19,7 +25,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -27,11 +33,87 @@ from typing import Any
 import httpx
 
 JOB = {"prompt": "a lantern on a quiet river", "size": "32x32", "num_frames": 5, "num_inference_steps": 2}
+# --compare-replicas: a job whose denoising outweighs the per-job overhead, so the replicas' speed-up shows
+REPLICA_JOB = {**JOB, "size": "48x32", "num_frames": 9, "num_inference_steps": 8}
+SDK_FIELDS = ("prompt", "size", "seconds", "model")  # what OpenAI's videos.create takes; the rest goes as extra_body
 
 
 def _percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else float("nan")
+
+
+def _summary(values: list[float]) -> dict[str, float]:
+    return {
+        "samples": len(values),
+        "p50": round(_percentile(values, 0.50), 2),
+        "p90": round(_percentile(values, 0.90), 2),
+        "p99": round(_percentile(values, 0.99), 2),
+        "max": round(max(values, default=float("nan")), 2),
+    }
+
+
+class _HttpxClient:
+    """The jobs API through httpx: submit -> (status code, job id or error text, Retry-After); status -> str."""
+
+    def __init__(self, url: str, headers: dict[str, str]):
+        self.http = httpx.Client(base_url=url, headers=headers, timeout=120.0)
+
+    def submit(self, body: dict[str, Any]) -> tuple[int, str, float]:
+        response = self.http.post("/v1/videos", json=body)
+        text = response.json()["id"] if response.status_code == 200 else response.text[:200]
+        return response.status_code, text, float(response.headers.get("retry-after", 1))
+
+    def status(self, job_id: str) -> str:
+        return str(self.http.get(f"/v1/videos/{job_id}").json()["status"])
+
+    def close(self) -> None:
+        self.http.close()
+
+
+class _OpenAIClient:
+    """The same through the official OpenAI SDK (`client.videos.create / retrieve`); our fields ride in extra_body."""
+
+    def __init__(self, url: str, headers: dict[str, str]):
+        import openai
+
+        key = headers.get("Authorization", "Bearer none").split(" ", 1)[1]
+        self.openai = openai
+        self.client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120.0)
+
+    def submit(self, body: dict[str, Any]) -> tuple[int, str, float]:
+        known = {k: v for k, v in body.items() if k in SDK_FIELDS}
+        extra = {k: v for k, v in body.items() if k not in SDK_FIELDS}
+        try:
+            return 200, self.client.videos.create(**known, extra_body=extra).id, 0.0
+        except self.openai.APIStatusError as exc:
+            return exc.status_code, str(exc)[:200], float(exc.response.headers.get("retry-after", 1))
+
+    def status(self, job_id: str) -> str:
+        return str(self.client.videos.retrieve(job_id).status)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def default_client() -> str:
+    return "openai" if importlib.util.find_spec("openai") is not None else "httpx"
+
+
+def _first_event_ms(http: httpx.Client, job_id: str, submitted: float) -> float:
+    """Milliseconds from the job's submission until its event stream delivered its first event (on the client's own
+    connection, opened before: a new client's set-up is not the server's latency)."""
+    with http.stream("GET", f"/v1/videos/{job_id}/events") as response:
+        for line in response.iter_lines():
+            if line.startswith("data:"):
+                return (time.perf_counter() - submitted) * 1000
+    return float("nan")
+
+
+def _starts(url: str, headers: dict[str, str], job_id: str) -> int:
+    """How many times the job's replayed event history says it started (1 for a job run once)."""
+    with httpx.stream("GET", f"{url}/v1/videos/{job_id}/events", headers=headers, timeout=120.0) as response:
+        return sum('"type":"started"' in line.replace(" ", "") for line in response.iter_lines())
 
 
 def run_load(
@@ -43,8 +125,12 @@ def run_load(
     headers: dict[str, str] | None = None,
     poll_s: float = 0.1,
     timeout_s: float = 900.0,
+    client: str = "httpx",
+    first_event: bool = False,
 ) -> dict[str, Any]:
     body = dict(body or JOB)
+    headers = dict(headers or {})
+    make: Callable[[str, dict[str, str]], Any] = _OpenAIClient if client == "openai" else _HttpxClient
     lock = threading.Lock()
     next_job = iter(range(jobs))
     accepted: list[str] = []
@@ -52,50 +138,62 @@ def run_load(
     errors: list[str] = []
     final: dict[str, str] = {}
     latencies_ms: list[float] = []
+    first_events_ms: list[float] = []
     deadline = time.monotonic() + timeout_s
 
-    def client() -> None:
-        with httpx.Client(base_url=url, headers=headers or {}, timeout=120.0) as http:
+    def one_client() -> None:
+        api = make(url, headers)
+        events = httpx.Client(base_url=url, headers=headers, timeout=120.0)
+        try:
             while True:
                 with lock:
                     index = next(next_job, None)
                 if index is None:
                     return
-                response = http.post("/v1/videos", json={**body, "seed": index})
-                if response.status_code == 429:  # that job's answer; the client waits as told before its next one
+                submitted = time.perf_counter()
+                code, job_id, retry_after = api.submit({**body, "seed": index})
+                if code == 429:  # that job's answer; the client waits as told before its next one
                     with lock:
                         refused.append(index)
-                    time.sleep(min(float(response.headers.get("retry-after", 1)), 30.0))
+                    time.sleep(min(retry_after, 30.0))
                     continue
-                if response.status_code != 200:
+                if code != 200:
                     with lock:
-                        errors.append(f"job {index}: POST {response.status_code} {response.text[:200]}")
+                        errors.append(f"job {index}: POST {code} {job_id}")
                     continue
-                job_id = response.json()["id"]
                 with lock:
                     accepted.append(job_id)
+                if first_event:
+                    waited = _first_event_ms(events, job_id, submitted)
+                    with lock:
+                        first_events_ms.append(waited)
                 while time.monotonic() < deadline:
                     start = time.perf_counter()
-                    video = http.get(f"/v1/videos/{job_id}").json()
+                    status = api.status(job_id)
                     elapsed_ms = (time.perf_counter() - start) * 1000
-                    if video["status"] == "in_progress":
+                    if status == "in_progress":
                         with lock:
                             latencies_ms.append(elapsed_ms)
-                    if video["status"] in ("completed", "failed"):
+                    if status in ("completed", "failed"):
                         with lock:
-                            final[job_id] = video["status"]
+                            final[job_id] = status
                         break
                     time.sleep(poll_s)
+        finally:
+            api.close()
+            events.close()
 
     started = time.monotonic()
-    threads = [threading.Thread(target=client, name=f"client-{i}") for i in range(clients)]
+    threads = [threading.Thread(target=one_client, name=f"client-{i}") for i in range(clients)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
     wall = time.monotonic() - started
     statuses = list(final.values())
+    starts = [_starts(url, headers, job_id) for job_id in final] if first_event else []
     return {
+        "client": client,
         "clients": clients,
         "jobs_submitted": jobs,
         "accepted": len(accepted),
@@ -106,26 +204,24 @@ def run_load(
         "duplicated_ids": len(accepted) - len(set(accepted)),
         "errors": errors,
         "accepted_ids": accepted,
+        "run_twice": sum(n > 1 for n in starts),
         "wall_s": round(wall, 2),
-        "status_latency_while_generating_ms": {
-            "samples": len(latencies_ms),
-            "p50": round(_percentile(latencies_ms, 0.50), 2),
-            "p90": round(_percentile(latencies_ms, 0.90), 2),
-            "p99": round(_percentile(latencies_ms, 0.99), 2),
-            "max": round(max(latencies_ms, default=float("nan")), 2),
-        },
+        "jobs_per_s": round(statuses.count("completed") / wall, 3) if wall > 0 else float("nan"),
+        "status_latency_while_generating_ms": _summary(latencies_ms),
+        "first_event_ms": _summary(first_events_ms),
     }
 
 
 @contextmanager
-def local_server(max_queue: int) -> Iterator[str]:
-    """An inline `distvideo serve` on the tiny random-weight model, on a port it chooses; yields its URL."""
+def local_server(max_queue: int, engine: Sequence[str] = ("--executor", "inline")) -> Iterator[str]:
+    """A `distvideo serve` (inline unless `engine` says otherwise) on the tiny random-weight model, on a port it
+    chooses; yields its URL."""
     from distvideo.models.embedded import tiny_model_path
 
     distvideo = Path(sys.executable).parent / "distvideo"
     with tempfile.TemporaryDirectory() as folder:
         log = Path(folder) / "server.log"
-        cmd = [str(distvideo), "serve", "--executor", "inline", "--port", "0", "--output", folder, "--no-progress"]
+        cmd = [str(distvideo), "serve", *engine, "--port", "0", "--output", folder, "--no-progress"]
         cmd += ["--model", str(tiny_model_path())]
         with log.open("wb") as sink:
             proc = subprocess.Popen([*cmd, "--max-queue", str(max_queue)], stdout=sink, stderr=subprocess.STDOUT)
@@ -142,20 +238,45 @@ def local_server(max_queue: int) -> Iterator[str]:
             proc.wait(timeout=120)
 
 
+def compare_replicas(clients: int, jobs: int, client: str, ranks: int = 2) -> dict[str, Any]:
+    """The same load on `ranks` mp ranks served as one replica and as `ranks` replicas; jobs/s and their ratio."""
+    reports: dict[str, Any] = {}
+    for replicas in (1, ranks):
+        engine = ("--executor", "mp", "--num-gpus", str(ranks), "--replicas", str(replicas))
+        with local_server(max_queue=jobs, engine=engine) as url:
+            report = run_load(url, clients=clients, jobs=jobs, body=REPLICA_JOB, client=client, first_event=True)
+        report.pop("accepted_ids")
+        reports[f"replicas_{replicas}"] = report
+    one, many = reports["replicas_1"]["jobs_per_s"], reports[f"replicas_{ranks}"]["jobs_per_s"]
+    reports[f"speedup_replicas_{ranks}_vs_1"] = round(many / one, 2) if one else float("nan")
+    reports["job"] = REPLICA_JOB
+    return reports
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", help="a running server (default: start an inline one on the tiny random-weight model)")
-    parser.add_argument("--clients", type=int, default=10)
-    parser.add_argument("--jobs", type=int, default=40)
+    parser.add_argument("--clients", type=int, default=None, help="default 10 (8 with --compare-replicas)")
+    parser.add_argument("--jobs", type=int, default=None, help="default 40 (16 with --compare-replicas)")
     parser.add_argument("--max-queue", type=int, default=4, help="for the server this script starts")
     parser.add_argument("--api-key")
+    parser.add_argument("--client", choices=("openai", "httpx"), default=default_client())
+    parser.add_argument("--first-event", action="store_true", help="also time each job's first event")
+    parser.add_argument(
+        "--compare-replicas", action="store_true", help="2 mp ranks: --replicas 2 vs --replicas 1 (jobs/s, latencies)"
+    )
     args = parser.parse_args()
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    if args.compare_replicas:
+        report = compare_replicas(args.clients or 8, args.jobs or 16, args.client)
+        print(json.dumps(report, indent=2))
+        return
+    load = {"clients": args.clients or 10, "jobs": args.jobs or 40, "headers": headers, "client": args.client}
     if args.url:
-        report = run_load(args.url, clients=args.clients, jobs=args.jobs, headers=headers)
+        report = run_load(args.url, **load, first_event=args.first_event)
     else:
         with local_server(args.max_queue) as url:
-            report = run_load(url, clients=args.clients, jobs=args.jobs, headers=headers)
+            report = run_load(url, **load, first_event=args.first_event)
     report.pop("accepted_ids")
     print(json.dumps(report, indent=2))
 

@@ -15,7 +15,11 @@ and hand-started ranks); each channel is its own client connection to it, so a t
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -66,7 +70,37 @@ class StoreChannel:
 
 def connect(env: LaunchEnv, namespace: str) -> StoreChannel:
     """A new connection to the job's rendezvous store (`env.master_addr:env.master_port`) for `namespace`."""
-    store = dist.TCPStore(
-        env.master_addr, env.master_port, is_master=False, timeout=CALL_TIMEOUT, wait_for_workers=False
-    )
+    return connect_to(StoreAddress(env.master_addr, env.master_port), namespace)
+
+
+@dataclass(frozen=True)
+class StoreAddress:
+    """Where a store is: a launched job's TCPStore (`host`, `port`), or a private file store (`file`)."""
+
+    host: str = ""
+    port: int = 0
+    file: str | None = None
+
+
+def connect_to(address: StoreAddress, namespace: str) -> StoreChannel:
+    """A new connection to the store at `address` (a launched job's, or one :class:`PrivateStore` made)."""
+    store: dist.Store
+    if address.file is not None:
+        store = dist.FileStore(address.file, -1)
+        store.set_timeout(CALL_TIMEOUT)
+    else:
+        store = dist.TCPStore(address.host, address.port, is_master=False, timeout=CALL_TIMEOUT, wait_for_workers=False)
     return StoreChannel(store, namespace)
+
+
+class PrivateStore:
+    """A store for processes of this machine that no launcher gave one (the mp executor's workers): a file store in a
+    directory only this user can open (mkdtemp makes it 0700), as the mp executor's own rendezvous is, so nothing
+    listens on a port and another user of the machine can neither read nor write it. `close()` removes it."""
+
+    def __init__(self) -> None:
+        self._dir = tempfile.mkdtemp(prefix="distvideo-store-")
+        self.address = StoreAddress(file=os.path.join(self._dir, "store"))
+
+    def close(self) -> None:
+        shutil.rmtree(self._dir, ignore_errors=True)

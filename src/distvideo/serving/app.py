@@ -18,6 +18,7 @@ from fastapi.sse import EventSourceResponse
 
 from distvideo.serving import metrics
 from distvideo.serving.admission import Admission, ApiError
+from distvideo.serving.board import ReplicaBoard
 from distvideo.serving.bodies import read_create_body
 from distvideo.serving.events import JobEvents
 from distvideo.serving.http_errors import ERROR_RESPONSE, BodyLimit, install_error_handlers
@@ -26,6 +27,7 @@ from distvideo.serving.schemas import (
     Health,
     ModelCard,
     ModelList,
+    ReplicaHealth,
     Video,
     VideoCreate,
     VideoDeleted,
@@ -46,6 +48,7 @@ class AppContext:
     events: JobEvents
     api_keys: tuple[str, ...] = ()  # none: no key required
     max_body_bytes: int = 16 * 1024 * 1024
+    board: ReplicaBoard | None = None  # what each data-parallel replica does (none before the engine loop exists)
 
 
 def _create_body_schema() -> dict[str, Any]:
@@ -135,6 +138,16 @@ def create_app(ctx: AppContext) -> FastAPI:
     return app
 
 
+def _replica_health(board: ReplicaBoard | None) -> list[ReplicaHealth] | None:
+    """Each replica's state, on a server with several (one replica: the service's own status says it all)."""
+    if board is None or board.replicas < 2:
+        return None
+    return [
+        ReplicaHealth(replica=r.replica, state=r.state, job=r.job, jobs_done=r.jobs_done, last_error=r.last_error)
+        for r in board.snapshot()
+    ]
+
+
 def _add_service_routes(app: FastAPI, ctx: AppContext, guard: Guard) -> None:
     page = resources.files("distvideo.serving").joinpath("static/index.html").read_text()
 
@@ -150,8 +163,10 @@ def _add_service_routes(app: FastAPI, ctx: AppContext, guard: Guard) -> None:
             detail=ctx.service.health_detail,
             executor=ctx.executor,
             world_size=ctx.world_size,
+            replicas=_replica_health(ctx.board),
         )
-        return JSONResponse(body.model_dump(), status_code=200 if body.status == OK else 503)
+        shown = body.model_dump(exclude={"replicas"} if body.replicas is None else None)
+        return JSONResponse(shown, status_code=200 if body.status == OK else 503)
 
     @app.get(
         "/metrics",
@@ -160,8 +175,9 @@ def _add_service_routes(app: FastAPI, ctx: AppContext, guard: Guard) -> None:
         responses={**guard.errors_as_json, 200: {"content": {metrics.CONTENT_TYPE: {"schema": {"type": "string"}}}}},
     )
     async def get_metrics() -> PlainTextResponse:
-        """Prometheus text: queue depth, jobs by status, rejections, seconds per stage."""
-        return PlainTextResponse(metrics.render(ctx.service, ctx.store), media_type=metrics.CONTENT_TYPE)
+        """Prometheus text: queue depth, jobs by status, rejections, seconds per stage, busy replicas and each
+        replica's jobs and seconds."""
+        return PlainTextResponse(metrics.render(ctx.service, ctx.store, ctx.board), media_type=metrics.CONTENT_TYPE)
 
     @app.get("/v1/models", response_model=ModelList, dependencies=guard.dependencies, responses=guard.errors)
     async def list_models() -> ModelList:

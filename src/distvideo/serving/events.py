@@ -34,7 +34,9 @@ class _History:
     streams: list[_Stream] = field(default_factory=list)
 
 
-def event_of(record: JobRecord, step: int | None = None, steps: int | None = None) -> dict[str, Any] | None:
+def event_of(
+    record: JobRecord, step: int | None = None, steps: int | None = None, replica: int | None = None
+) -> dict[str, Any] | None:
     """The event a store write stands for: its kind, the job id, and what changed (None for a write that is not
     news, such as a deletion)."""
     event: dict[str, Any] = {"video_id": record.id, "status": record.status, "progress": record.progress}
@@ -42,6 +44,8 @@ def event_of(record: JobRecord, step: int | None = None, steps: int | None = Non
         event["type"] = "queued"
     elif record.status == IN_PROGRESS and step is None:
         event["type"] = "started"
+        if replica is not None:
+            event["replica"] = replica
     elif record.status == IN_PROGRESS:
         event |= {"type": "progress", "step": step, "steps": steps}
     elif record.status == COMPLETED:
@@ -61,8 +65,10 @@ class JobEvents:
         self._jobs: collections.OrderedDict[str, _History] = collections.OrderedDict()
         self._keep = keep_jobs
 
-    def publish(self, record: JobRecord, step: int | None = None, steps: int | None = None) -> None:
-        event = event_of(record, step, steps)
+    def publish(
+        self, record: JobRecord, step: int | None = None, steps: int | None = None, replica: int | None = None
+    ) -> None:
+        event = event_of(record, step, steps, replica)
         if event is None:
             return
         with self._lock:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from distvideo.serving.board import ReplicaBoard
 from distvideo.serving.jobs import OK, Service
 from distvideo.serving.store import JobStore
 
@@ -15,7 +16,7 @@ def _family(lines: list[str], name: str, kind: str, help_text: str, samples: lis
         lines.append(f"{name}{labels} {value:g}" if isinstance(value, float) else f"{name}{labels} {value}")
 
 
-def render(service: Service, store: JobStore) -> str:
+def render(service: Service, store: JobStore, board: ReplicaBoard | None = None) -> str:
     c = service.counters
     lines: list[str] = []
     _family(
@@ -57,4 +58,27 @@ def render(service: Service, store: JobStore) -> str:
     for stage in stages:
         lines.append(f'distvideo_stage_seconds_sum{{stage="{stage}"}} {c.stage_seconds[stage]:.6f}')
         lines.append(f'distvideo_stage_seconds_count{{stage="{stage}"}} {c.stage_count[stage]}')
+    if board is not None:
+        _replicas(lines, board)
     return "\n".join(lines) + "\n"
+
+
+def _replicas(lines: list[str], board: ReplicaBoard) -> None:
+    states = board.snapshot()
+    _family(lines, "distvideo_replicas", "gauge", "data-parallel replicas of the engine", [("", len(states))])
+    busy = sum(s.job is not None for s in states)
+    _family(lines, "distvideo_replicas_busy", "gauge", "replicas running a job now", [("", busy)])
+    _family(
+        lines,
+        "distvideo_replica_jobs_total",
+        "counter",
+        "jobs that ended on each replica (completed, failed or cancelled)",
+        [(f'{{replica="{s.replica}"}}', s.jobs_done) for s in states],
+    )
+    _family(
+        lines,
+        "distvideo_replica_busy_seconds_total",
+        "counter",
+        "seconds each replica spent running jobs (the running job's time so far included)",
+        [(f'{{replica="{s.replica}"}}', float(s.busy_seconds)) for s in states],
+    )

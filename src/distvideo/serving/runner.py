@@ -20,6 +20,7 @@ from distvideo.errors import (
 )
 from distvideo.request import GenerationRequest
 from distvideo.serving.adapters import Adapters
+from distvideo.serving.board import ReplicaBoard
 from distvideo.serving.channel import JobChannel
 from distvideo.serving.jobs import STOPPING, UNHEALTHY, QueuedJob, Service
 from distvideo.serving.store import JobStore
@@ -43,8 +44,10 @@ class EngineLoop:
         store: JobStore,
         adapters: Adapters,
         channel: JobChannel | None = None,
+        board: ReplicaBoard | None = None,
     ):
         self.gen, self.service, self.store, self.adapters, self.channel = gen, service, store, adapters, channel
+        self.board = board or ReplicaBoard(1)
         self.broken: BaseException | None = None
         self._lock = threading.Lock()
         self._stop_reason: str | None = None
@@ -106,7 +109,8 @@ class EngineLoop:
 
     def _run(self, job: QueuedJob) -> None:
         self.store.mark_running(job.id)
-        start, outcome, timings = time.monotonic(), "failed", {}
+        self.board.start(0, job.id)
+        start, outcome, timings, error = time.monotonic(), "failed", {}, None
         try:
             if self.channel is not None:
                 fields = dataclasses.asdict(job.request)
@@ -114,13 +118,16 @@ class EngineLoop:
             self.adapters.for_job(job.lora)
             result = self.gen.generate_request(job.request, on_progress=lambda d, t: self._progress(job.id, d, t))
         except GenerationCancelled as exc:
-            outcome = "cancelled"
+            outcome, error = "cancelled", f"{type(exc).__name__}: {exc}"
             self.store.mark_failed(job.id, *self._why_stopped(job.id, exc))
         except FATAL as exc:
+            error = f"{type(exc).__name__}: {exc}"
             self._broke(job.id, exc)
         except ConfigError as exc:
+            error = f"{type(exc).__name__}: {exc}"
             self.store.mark_failed(job.id, "invalid_request", str(exc))
         except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
             logger.warning("job %s failed: %s: %s", job.id, type(exc).__name__, exc)
             self.store.mark_failed(job.id, "generation_failed", f"{type(exc).__name__}: {exc}")
         else:
@@ -128,6 +135,7 @@ class EngineLoop:
             outcome, timings = "completed", dict(result.timings)
             self.store.mark_completed(job.id, Path(result.video_path).name, timings)
         finally:
+            self.board.finish(0, outcome, error)
             self.service.finished(job.id, outcome, time.monotonic() - start, timings)
 
     def _progress(self, job_id: str, done: int, total: int) -> None:

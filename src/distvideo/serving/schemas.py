@@ -58,8 +58,8 @@ class VideoError(BaseModel):
 
 
 class VideoEvent(BaseModel):
-    """One event of GET /v1/videos/{id}/events: `queued`, `started`, `progress` (after denoising step `step` of
-    `steps`), then `completed` or `failed` (with `error`), which ends the stream."""
+    """One event of GET /v1/videos/{id}/events: `queued`, `started` (on data-parallel replica `replica`), `progress`
+    (after denoising step `step` of `steps`), then `completed` or `failed` (with `error`), which ends the stream."""
 
     type: Literal["queued", "started", "progress", "completed", "failed"]
     video_id: str
@@ -67,6 +67,7 @@ class VideoEvent(BaseModel):
     progress: int = Field(ge=0, le=100)
     step: int | None = None
     steps: int | None = None
+    replica: int | None = None
     error: VideoError | None = None
 
 
@@ -146,11 +147,22 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class ReplicaHealth(BaseModel):
+    """One data-parallel replica of the engine: idle, or busy with `job`; jobs ended on it; its last job error."""
+
+    replica: int
+    state: Literal["idle", "busy"]
+    job: str | None = None
+    jobs_done: int
+    last_error: str | None = None
+
+
 class Health(BaseModel):
     status: Literal["loading", "ok", "stopping", "unhealthy"]
     detail: str | None = None
     executor: str
     world_size: int
+    replicas: list[ReplicaHealth] | None = None  # with --replicas 2 or more: each replica's state
 
 
 class ErrorBody(BaseModel):

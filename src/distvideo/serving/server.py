@@ -2,7 +2,8 @@
 
 Rank 0 (or the only process) binds the port, opens the job store and starts the HTTP server before the model loads
 (/health says "loading" meanwhile), then runs the engine loop in the main thread. Under a launcher every other rank
-loads the model and follows rank 0's jobs (channel.py); no other rank opens a port. A stop signal on any rank stops
+loads the model and follows rank 0's jobs (channel.py); no other rank opens a port. With `--replicas N` (N > 1) every
+rank runs its replica's loop instead (replica_loop.py) and rank 0 hands jobs to idle replicas (pool.py). A stop signal on any rank stops
 admission, gives the running job the grace period, reaches every rank and exits 0; an engine failure exits 1.
 """
 
@@ -13,6 +14,7 @@ import fcntl
 import ipaddress
 import logging
 import os
+import secrets
 import socket
 import sys
 import threading
@@ -23,13 +25,17 @@ from distvideo.config import EngineConfig
 from distvideo.engine import ResolvedEngine
 from distvideo.errors import ConfigError, ProcessGroupBrokenError
 from distvideo.executors import resolve_engine
+from distvideo.executors.store import PrivateStore, StoreAddress
 from distvideo.serving.adapters import Adapters
 from distvideo.serving.admission import Admission
+from distvideo.serving.board import ReplicaBoard
 from distvideo.serving.channel import JobChannel
 from distvideo.serving.events import JobEvents
 from distvideo.serving.jobs import UNHEALTHY, Service
 from distvideo.serving.lifecycle import HttpServer, StopSignals, bind
 from distvideo.serving.options import ServeOptions, describe
+from distvideo.serving.pool import ReplicaPool
+from distvideo.serving.replica_loop import ReplicaSpec, run_replica
 from distvideo.serving.runner import EngineLoop, follow
 from distvideo.serving.store import STORE_NAME, JobStore
 
@@ -60,6 +66,7 @@ class Frontend:
         if recovered:
             logger.info("marked %d job(s) left queued or running by the previous server as failed", recovered)
         self.service = Service(options.max_queue)
+        self.board = ReplicaBoard(engine.layout.replicas)
         self.admission = Admission(
             model=engine.model,
             model_id=engine.model.path.name,
@@ -68,7 +75,7 @@ class Frontend:
             adapters=frozenset(options.lora_adapters),
             presets=presets,
         )
-        self.loop: EngineLoop | None = None
+        self.loop: EngineLoop | ReplicaPool | None = None
         self.http: HttpServer | None = None
 
     def start_http(self, engine: ResolvedEngine, options: ServeOptions) -> None:
@@ -84,6 +91,7 @@ class Frontend:
             events=self.events,
             api_keys=options.api_keys(),
             max_body_bytes=options.max_body_bytes,
+            board=self.board,
         )
         self.http = HttpServer(create_app(ctx), self.sock)
         self.http.start()
@@ -122,6 +130,13 @@ def serve(config: EngineConfig, options: ServeOptions, presets: dict[str, Any] |
     2) before anything starts."""
     base_lora = list(config.lora)
     engine = resolve_engine(dataclasses.replace(config, lora=[]))  # adapters are the service's (adapters.py)
+    replicas = engine.layout.replicas
+    if replicas > 1 and options.lora_adapters:
+        raise ConfigError(
+            f"--lora-adapter with --replicas {replicas}: request-selectable adapters switch the weights of every "
+            "rank between jobs, which replicas running different jobs at once cannot share; serve them with "
+            "--replicas 1, or load fixed adapters with --lora (every job gets them)"
+        )
     rank = engine.launch.rank if engine.launch is not None else 0
     rank0 = Frontend(engine, options, dict(presets or {})) if rank == 0 else None
     stop = threading.Event()
@@ -145,6 +160,7 @@ def serve(config: EngineConfig, options: ServeOptions, presets: dict[str, Any] |
 
     signals = StopSignals(on_stop).install()
     gen = None
+    private: PrivateStore | None = None
     try:
         if rank0 is not None:
             logger.info("serve: %s", describe(options))
@@ -156,43 +172,69 @@ def serve(config: EngineConfig, options: ServeOptions, presets: dict[str, Any] |
         adapters.load()
         if engine.launch is not None and engine.world_size > 1:
             channel = JobChannel.open(gen, engine.launch)
+        spec, private = _replica_spec(channel) if replicas > 1 else (None, None)
         if rank0 is None:
             assert channel is not None
             if stop.is_set():
                 channel.request_stop(stop_reason[0])
-            code = follow(gen, channel, adapters)
+            if spec is not None:
+                gen.collective_rpc(run_replica, args=(spec,))
+                code = 0
+            else:
+                code = follow(gen, channel, adapters)
             print(f"distvideo serve: rank {rank} stopped", flush=True)
             return code
-        return _run_rank0(rank0, gen, adapters, channel, stop, stop_reason, options)
+        loop: EngineLoop | ReplicaPool = (
+            EngineLoop(gen, rank0.service, rank0.store, adapters, channel, rank0.board)
+            if spec is None
+            else ReplicaPool(gen, rank0.service, rank0.store, rank0.board, spec)
+        )
+        return _run_rank0(rank0, loop, gen, channel, stop, stop_reason, options)
     except ProcessGroupBrokenError as exc:
         print(f"distvideo serve: error: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:
         if gen is not None:
             gen.shutdown()
+        if private is not None:  # the replicas' store under mp, removed once every replica stopped
+            private.close()
         if rank0 is not None:
             rank0.close()
         signals.restore()
 
 
+def _replica_spec(channel: JobChannel | None) -> tuple[ReplicaSpec, PrivateStore | None]:
+    """Where the replicas meet rank 0: the launcher's store under this session's namespace, or, under mp (no
+    launcher), a private file store of this user's (returned too: the caller removes it when the service stops)."""
+    if channel is not None:
+        env = channel.env
+        return ReplicaSpec(StoreAddress(env.master_addr, env.master_port), f"{channel.namespace}/replicas"), None
+    private = PrivateStore()
+    return ReplicaSpec(private.address, f"serve/{secrets.token_hex(8)}/replicas"), private
+
+
 def _run_rank0(
     rank0: Frontend,
+    loop: EngineLoop | ReplicaPool,
     gen: GeneratorHandle,
-    adapters: Adapters,
     channel: JobChannel | None,
     stop: threading.Event,
     stop_reason: list[str],
     options: ServeOptions,
 ) -> int:
-    loop = rank0.loop = EngineLoop(gen, rank0.service, rank0.store, adapters, channel)
+    rank0.loop = loop
     if channel is not None:
         channel.watch_stop_requests(lambda reason: loop.begin_shutdown(reason, options.shutdown_grace))
     if stop.is_set():  # a signal during loading
         loop.begin_shutdown(stop_reason[0], options.shutdown_grace)
     else:
         rank0.service.set_ready()
-        print(f"distvideo serve: ready ({gen.engine.executor}, {gen.world_size} rank(s))", flush=True)
+        replicas = rank0.board.replicas
+        shown = f", {replicas} replicas" if replicas > 1 else ""
+        print(f"distvideo serve: ready ({gen.engine.executor}, {gen.world_size} rank(s){shown})", flush=True)
     code = loop.run()
+    if channel is not None and isinstance(loop, ReplicaPool):
+        channel.request_stop("the service stopped")  # wakes rank 0's own stop watcher
     if code != 0:
         print(f"distvideo serve: error: {rank0.service.health_detail}", file=sys.stderr, flush=True)
     elif rank0.service.health != UNHEALTHY:

@@ -118,12 +118,13 @@ class JobStore:
         self._wrote(record.id)
         return record
 
-    def mark_running(self, job_id: str) -> None:
+    def mark_running(self, job_id: str, *, replica: int = 0) -> None:
+        """The job started on data-parallel replica `replica` (the `started` event says which)."""
         with self._tx() as db:
             db.execute(
                 "UPDATE videos SET status=?, started_at=?, progress=0 WHERE id=?", (IN_PROGRESS, time.time(), job_id)
             )
-        self._wrote(job_id)
+        self._wrote(job_id, replica=replica)
 
     def set_progress(self, job_id: str, progress: int, *, step: int = 0, steps: int = 0) -> None:
         """`progress` percent, after denoising step `step` of `steps`."""
