@@ -119,3 +119,15 @@ def test_torchrun_sp2_cfg2_draws_the_captions(tmp_path: Path, inline_frames) -> 
         assert max_abs_diff(video, inline_frames[caption.text]) <= 2, caption.text
     failures = [f"{r['caption']}: {r['reason']}" for r in results if not r["ok"]]
     assert 1 - len(failures) / len(results) >= PASS_RATE, failures
+
+
+def test_the_served_page_suggests_a_caption_of_the_demo_models_grammar() -> None:
+    """GET /v1/models's example_prompt (the page's placeholder) for the demo model is a caption it can draw; other
+    models get a scene, image-to-video ones a description of motion."""
+    from distvideo.models.embedded import GENERIC_EXAMPLE_PROMPT, IMAGE_EXAMPLE_PROMPT, example_prompt, tiny_model_path
+    from distvideo.testing.shapes import parse_caption
+
+    caption = example_prompt(DEMO_MODEL_DIR, takes_image=False)
+    assert parse_caption(caption) in all_captions()
+    assert example_prompt(tiny_model_path(), takes_image=False) == GENERIC_EXAMPLE_PROMPT
+    assert example_prompt(tiny_model_path(), takes_image=True) == IMAGE_EXAMPLE_PROMPT

@@ -11,6 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from distvideo.models.embedded import GENERIC_EXAMPLE_PROMPT, IMAGE_EXAMPLE_PROMPT
+from distvideo.testing.lora_files import build_random_lora
+from family_checkpoints import family_checkpoint, test_image
+
 from serving_harness import start_server
 
 INSTALL = "apt-get install -y chromium chromium-driver (or: bash scripts/install_system_deps.sh, as root)"
@@ -86,6 +90,10 @@ def test_the_page_submits_a_prompt_shows_progress_and_plays_the_video(tmp_path, 
         long = server.create(prompt="a long ride", size="48x32", num_frames=5, num_inference_steps=900)
         browser.get(server.url + "/")
         poll(lambda: "tiny-wan" in browser.find_element(By.ID, "model").text, "the model line")
+        # a text-to-video model without adapters: a scene as the placeholder, no image or adapter fields
+        assert browser.find_element(By.ID, "prompt").get_attribute("placeholder") == GENERIC_EXAMPLE_PROMPT
+        assert not browser.find_element(By.ID, "image_field").is_displayed()
+        assert not browser.find_element(By.ID, "lora_field").is_displayed()
         browser.find_element(By.ID, "prompt").send_keys("a paper boat on a pond")
         browser.find_element(By.ID, "size").send_keys("64x48")
         browser.find_element(By.ID, "num_frames").send_keys("9")
@@ -130,3 +138,45 @@ def test_the_page_submits_a_prompt_shows_progress_and_plays_the_video(tmp_path, 
     assert state["d"] == pytest.approx(9 / 16, abs=0.07) and state["t"] > 0, state
     assert state["status"] == "completed" and state["bar"] == 100, state
     assert screenshot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and screenshot.stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_the_page_sends_an_image_a_negative_prompt_guidance_and_an_adapter(tmp_path, tmp_path_factory, browser):
+    """An image-to-video model served with an adapter: the page shows the image field and the adapters, and the job
+    it submits (multipart, with the image) carries every field the form had."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    model = family_checkpoint(tmp_path_factory, "wan21_i2v")
+    style = build_random_lora(model, tmp_path / "style.safetensors", seed=5)
+    args = ["--model", str(model), "--lora-adapter", f"style={style}"]
+    with start_server(tmp_path, "inline", args=args) as server:
+        browser.get(server.url + "/")
+        poll(lambda: "WanImageToVideoPipeline" in browser.find_element(By.ID, "model").text, "the model line")
+        assert browser.find_element(By.ID, "prompt").get_attribute("placeholder") == IMAGE_EXAMPLE_PROMPT
+        assert browser.find_element(By.ID, "image_field").is_displayed()
+        adapters = Select(browser.find_element(By.ID, "lora"))
+        assert [o.get_attribute("value") for o in adapters.options] == ["", "style"]
+        browser.find_element(By.ID, "prompt").send_keys("a paper boat drifts")
+        browser.find_element(By.ID, "negative_prompt").send_keys("blurry")
+        browser.find_element(By.ID, "input_reference").send_keys(str(test_image(tmp_path_factory, seed=1)))
+        for name, value in (("size", "32x32"), ("num_frames", "5"), ("num_inference_steps", "2")):
+            browser.find_element(By.ID, name).send_keys(value)
+        browser.find_element(By.ID, "guidance_scale").send_keys("3.5")
+        adapters.select_by_value("style")
+        strength = browser.find_element(By.ID, "lora_strength")
+        strength.clear()
+        strength.send_keys("0.5")
+        browser.find_element(By.ID, "submit").click()
+        job_id = poll(
+            lambda: next(
+                (r.get_attribute("data-id") for r in browser.find_elements(By.CSS_SELECTOR, "#jobs tr[data-id]")), None
+            ),
+            "the submitted job's row",
+        )
+        job = server.wait(job_id)
+        message = browser.find_element(By.ID, "message").text
+    assert job["status"] == "completed", (job, message)
+    assert job["prompt"] == "a paper boat drifts" and job["negative_prompt"] == "blurry", job
+    assert job["guidance_scale"] == 3.5 and job["size"] == "32x32" and job["num_frames"] == 5, job
+    assert job["lora"] == {"name": "style", "strength": 0.5}, job

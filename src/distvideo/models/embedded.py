@@ -14,6 +14,19 @@ TINY_MODEL_DIR = _ASSETS / "tiny-wan"
 DEMO_MODEL_DIR = _ASSETS / "demo-wan"
 #: The embedded default model: the model used when none is given (and DISTVIDEO_MODEL is unset).
 EMBEDDED_MODEL_DIR = DEMO_MODEL_DIR
+#: A caption of the demo model's grammar (docs/demo-model.md): colour, shape, direction, background
+DEMO_EXAMPLE_PROMPT = "a red ball moving right on a black background"
+#: What a page suggests for any other model (a scene, not the demo's grammar)
+GENERIC_EXAMPLE_PROMPT = "a red fox running through fresh snow at dawn"
+IMAGE_EXAMPLE_PROMPT = "the scene in the image comes to life, the camera slowly pushing in"
+
+
+def example_prompt(model_dir: Path, takes_image: bool) -> str:
+    """A prompt that fits the model at `model_dir`: the demo model's grammar for the demo model (other words give
+    it an arbitrary blob), a description of motion for an image-to-video model, else a scene."""
+    if model_dir.resolve() == DEMO_MODEL_DIR.resolve():
+        return DEMO_EXAMPLE_PROMPT
+    return IMAGE_EXAMPLE_PROMPT if takes_image else GENERIC_EXAMPLE_PROMPT
 
 
 def _shipped(path: Path, what: str, remedy: str) -> Path:

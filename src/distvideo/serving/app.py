@@ -16,6 +16,7 @@ from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTex
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.sse import EventSourceResponse
 
+from distvideo.models.embedded import example_prompt
 from distvideo.serving import metrics
 from distvideo.serving.admission import Admission, ApiError
 from distvideo.serving.board import ReplicaBoard
@@ -191,6 +192,7 @@ def _add_service_routes(app: FastAPI, ctx: AppContext, guard: Guard) -> None:
             frames_per_latent=info.vae_scale_temporal,
             image_input=ctx.admission.takes_image,
             lora_adapters=sorted(ctx.admission.adapters),
+            example_prompt=example_prompt(info.path, ctx.admission.takes_image),
         )
         return ModelList(data=[card])
 

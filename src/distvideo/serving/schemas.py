@@ -140,6 +140,7 @@ class ModelCard(BaseModel):
     frames_per_latent: int = Field(description="num_frames must be of the form k x this + 1")
     image_input: bool = Field(description="whether the model takes an input_reference image")
     lora_adapters: list[str]
+    example_prompt: str = Field(description="a prompt that fits the model (the demo model's grammar for the demo)")
 
 
 class ModelList(BaseModel):
