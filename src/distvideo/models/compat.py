@@ -22,6 +22,7 @@ logger = logging.getLogger(__name__)
 #: diffusers releases the plans were tested with (inclusive, by minor version); others are checked name by name.
 TESTED_DIFFUSERS = ((0, 35), (0, 42))
 
+_HV15_PIPELINE = "diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5"
 # module -> the private (or deep, unexported) names taken from it
 _DIFFUSERS_NAMES = {
     "diffusers.models.transformers.transformer_wan": ("_get_qkv_projections", "WanAttnProcessor"),
@@ -33,6 +34,8 @@ _DIFFUSERS_NAMES = {
 _DIFFUSERS_ATTRIBUTES = (
     ("diffusers.models.transformers.transformer_wan", "WanAttnProcessor", "_attention_backend"),
     ("diffusers.models.transformers.transformer_wan", "WanAttnProcessor", "_parallel_config"),
+    (_HV15_PIPELINE, "HunyuanVideo15Pipeline", "_get_mllm_prompt_embeds"),
+    (_HV15_PIPELINE, "HunyuanVideo15Pipeline", "_get_byt5_prompt_embeds"),
 )
 
 
@@ -66,7 +69,10 @@ def check_private_names() -> None:
             continue
         missing += [f"{module_name}.{name}" for name in names if not hasattr(module, name)]
     for module_name, cls_name, attribute in _DIFFUSERS_ATTRIBUTES:
-        cls = getattr(importlib.import_module(module_name), cls_name, None)
+        try:
+            cls = getattr(importlib.import_module(module_name), cls_name, None)
+        except ImportError:  # a family newer than this diffusers (HunyuanVideo 1.5 before 0.36): checked at its load
+            continue
         if cls is not None and not hasattr(cls, attribute):
             missing.append(f"{module_name}.{cls_name}.{attribute}")
     if not hasattr(nn.Conv3d, "_conv_forward"):
@@ -143,6 +149,15 @@ def prompt_clean(text: str) -> str:
     from diffusers.pipelines.wan.pipeline_wan import prompt_clean as clean
 
     return clean(text)
+
+
+def hunyuan15_text_encoders() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """diffusers' HunyuanVideo 1.5 text encodings, its pipeline's static ``_get_mllm_prompt_embeds`` (Qwen2.5-VL over
+    the chat template, the system prompt cropped) and ``_get_byt5_prompt_embeds`` (the quoted glyph texts through
+    ByT5), for parity with HunyuanVideo15Pipeline."""
+    from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import HunyuanVideo15Pipeline as pipeline
+
+    return pipeline._get_mllm_prompt_embeds, pipeline._get_byt5_prompt_embeds
 
 
 # --- torch ----------------------------------------------------------------------------------------------------------

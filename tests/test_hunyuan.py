@@ -1,0 +1,104 @@
+"""HunyuanVideo 1.5 text-to-video: the registry entry read from model_index.json (its defaults, the guider's scale, what
+it refuses before any weight), and single-rank frames within 2 (uint8) of diffusers' HunyuanVideo15Pipeline on the
+same random-weight checkpoint, prompt and seed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from distvideo import ConfigError, VideoGenerator
+from distvideo.models.registry import probe_model
+
+# a quoted glyph text, so the ByT5 branch runs (an unquoted prompt gives it zeros); a non-square size, guidance on
+PROMPT = 'A neon sign reading "OPEN" flickers above a rainy street'
+NEGATIVE = "blurry, low quality"
+REQUEST = dict(num_frames=9, height=48, width=80, num_inference_steps=2, guidance_scale=4.5, seed=3)
+
+
+def hunyuan_checkpoint(factory: pytest.TempPathFactory) -> Path:
+    """The session's HunyuanVideo 1.5 test checkpoint (built once; the parallel tests share it)."""
+    from distvideo.testing.hunyuan import build_hunyuan_checkpoint
+
+    path = factory.getbasetemp() / "hunyuan15"
+    if not (path / "model_index.json").is_file():
+        build_hunyuan_checkpoint(path, seed=21)
+    return path
+
+
+def diffusers_hunyuan_frames(model: Path, prompt: str, *, guidance_scale: float, seed: int, **kwargs) -> np.ndarray:
+    """HunyuanVideo15Pipeline's frames as uint8 (output_type='np', times 255, rounded), its guider at `guidance_scale`
+    (diffusers takes the scale from the guider, not from the call)."""
+    import torch
+    from diffusers import ClassifierFreeGuidance, HunyuanVideo15Pipeline
+
+    pipe = HunyuanVideo15Pipeline.from_pretrained(str(model))
+    pipe.set_progress_bar_config(disable=True)
+    pipe.guider = ClassifierFreeGuidance(guidance_scale=guidance_scale)
+    generator = torch.Generator("cpu").manual_seed(seed)
+    out = pipe(prompt=prompt, generator=generator, output_type="np", **kwargs).frames[0]
+    return np.round(out * 255).astype(np.uint8)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return hunyuan_checkpoint(tmp_path_factory)
+
+
+def test_registry_entry_and_defaults(checkpoint: Path, tmp_path: Path) -> None:
+    info = probe_model(checkpoint)
+    assert info.family.name == "HunyuanVideo 1.5 T2V" and info.family.pipeline == "hunyuan15_t2v"
+    assert (info.vae_scale_spatial, info.vae_scale_temporal, info.patch_size) == (16, 4, (1, 1, 1))
+    assert info.latent_channels == 8  # the VAE's latent channels, not the transformer's 2 * 8 + 1 inputs
+    assert info.defaults == {
+        "num_frames": 121,
+        "height": 480,
+        "width": 848,
+        "num_inference_steps": 50,
+        "guidance_scale": 6.0,  # the guider's
+        "fps": 24,
+    }
+    # the guider's scale is the default; a guider whose arithmetic is not plain CFG is refused, naming the setting
+    guider = checkpoint / "guider" / "guider_config.json"
+    config = json.loads(guider.read_text())
+    view = tmp_path / "view"
+    view.mkdir()
+    for entry in checkpoint.iterdir():
+        if entry.name != "guider":
+            (view / entry.name).symlink_to(entry, target_is_directory=entry.is_dir())
+    (view / "guider").mkdir()
+    (view / "guider" / "guider_config.json").write_text(json.dumps({**config, "guidance_scale": 7.5}))
+    assert probe_model(view).defaults["guidance_scale"] == 7.5
+    (view / "guider" / "guider_config.json").write_text(json.dumps({**config, "guidance_rescale": 0.7}))
+    with pytest.raises(ConfigError, match=r"guidance_rescale=0\.7"):
+        probe_model(view)
+
+
+def test_request_checks_name_the_family(checkpoint: Path) -> None:
+    from distvideo.request import GenerationRequest
+
+    info = probe_model(checkpoint)
+    with pytest.raises(ConfigError, match="height=40 must be a multiple of 16"):
+        info.resolve_request(GenerationRequest(prompt="x", height=40, width=80))
+    with pytest.raises(ConfigError, match="num_frames=8 must be of the form 4k\\+1"):
+        info.resolve_request(GenerationRequest(prompt="x", num_frames=8))
+    with pytest.raises(ConfigError, match=r"HunyuanVideo 1\.5 T2V"):
+        info.resolve_request(GenerationRequest(prompt="x", image=np.zeros((16, 16, 3), np.uint8)))
+
+
+@pytest.mark.slow
+def test_inline_frames_match_diffusers(checkpoint: Path) -> None:
+    with VideoGenerator.from_pretrained(str(checkpoint)) as gen:
+        result = gen.generate(PROMPT, negative_prompt=NEGATIVE, save_video=False, **REQUEST)
+        again = gen.generate(PROMPT, negative_prompt=NEGATIVE, save_video=False, **REQUEST)
+    assert result.frames is not None and result.frames.shape == (9, 48, 80, 3)
+    assert np.array_equal(result.frames, again.frames)  # the same request twice: the same bytes
+    assert result.frames.std() > 10  # not a flat video
+    kwargs = {k: v for k, v in REQUEST.items() if k not in ("guidance_scale", "seed")}
+    reference = diffusers_hunyuan_frames(
+        checkpoint, PROMPT, negative_prompt=NEGATIVE, guidance_scale=REQUEST["guidance_scale"], seed=3, **kwargs
+    )
+    assert int(np.abs(reference.astype(np.int16) - result.frames.astype(np.int16)).max()) <= 2
