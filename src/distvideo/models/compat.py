@@ -103,11 +103,20 @@ def wan_qkv_projections(attn: Any, hidden_states: torch.Tensor, encoder_hidden_s
     return _get_qkv_projections(attn, hidden_states, encoder_hidden_states)
 
 
-def dispatch_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, backend: Any) -> torch.Tensor:
-    """diffusers' attention dispatcher (the backend a processor was configured with), no mask, no dropout."""
+def dispatch_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    backend: Any,
+    *,
+    attn_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """diffusers' attention dispatcher (the backend a processor was configured with), no dropout."""
     from diffusers.models.attention_dispatch import dispatch_attention_fn
 
-    return dispatch_attention_fn(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, backend=backend)
+    return dispatch_attention_fn(
+        query, key, value, attn_mask=attn_mask, dropout_p=0.0, is_causal=False, backend=backend
+    )
 
 
 def attention_backend(processor: Any) -> Any:

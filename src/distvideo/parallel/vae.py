@@ -37,6 +37,10 @@ logger = logging.getLogger(__name__)
 #: shrinks with the band, and below two rows every first-level convolution exchanges as many rows as it computes.
 MIN_BAND_ROWS = 2
 
+#: The VAE classes whose decoders the bands are proven exact for; any other VAE (HunyuanVideo 1.5's) is decoded whole
+#: on the replica's first rank, as a decode of one band.
+BANDED_VAES = frozenset({"AutoencoderKLWan"})
+
 # Decoder module classes (by name) known to be local in rows, or handled by this plan. Anything else in the decoder
 # stops the plan from applying: a new diffusers layer might mix rows, and a wrong frame is worse than a slow one.
 _ROW_LOCAL_MODULES = frozenset(
@@ -131,9 +135,14 @@ class BandedVaeDecoder:
         self.vae: Any = None
         self._band: _Band | None = None
         self._restore: list[Callable[[], None]] = []
+        self.banded = True  # False: a VAE outside BANDED_VAES, decoded whole on rank 0
 
     # -- applying ------------------------------------------------------------------------------------------
     def apply(self, vae: Any) -> Callable[[], None]:
+        if type(vae).__name__ not in BANDED_VAES:  # another family's VAE: decoded whole on the replica's first rank
+            logger.debug("%s: no exact banded decode yet; decoding on one rank", type(vae).__name__)
+            self.vae, self.banded = vae, False
+            return self.remove
         WanCausalConv3d, WanAttentionBlock = compat.wan_vae_classes()
         unknown = sorted({type(m).__name__ for m in vae.decoder.modules()} - _ROW_LOCAL_MODULES)
         if unknown:
@@ -316,7 +325,7 @@ class BandedVaeDecoder:
             raise RuntimeError("BandedVaeDecoder.decode before apply(vae)")
         latent_rows = latents.shape[-2]
         count = decode_band_count(latent_rows, self.world_size, self.min_rows)
-        if getattr(self.vae, "use_tiling", False):
+        if getattr(self.vae, "use_tiling", False) or not self.banded:
             count = 1  # diffusers' tiled decode blends overlapping tiles: not a banded computation
         if count == 1:
             logger.debug("latent height %d: decoding on rank 0 only", latent_rows)

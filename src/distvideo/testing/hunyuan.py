@@ -65,7 +65,9 @@ def _qwen_text_encoder(vocab_size: int, hidden: int, seed: int) -> Any:
         num_key_value_heads=1,
         max_position_embeddings=2048,
         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": _mrope(head_dim)},
-        pad_token_id=vocab_size - 3,
+        pad_token_id=vocab_size - 3,  # <|endoftext|>, as Qwen's tokenizer pads
+        bos_token_id=None,
+        eos_token_id=vocab_size - 1,  # <|im_end|>
     )
     model = Qwen2_5_VLTextModel(config)
     init_weights(model, seed)
