@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 TESTED_DIFFUSERS = ((0, 35), (0, 42))
 
 _HV15_PIPELINE = "diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5"
+_HV15_I2V_PIPELINE = "diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5_image2video"
 # module -> the private (or deep, unexported) names taken from it
 _DIFFUSERS_NAMES = {
     "diffusers.models.transformers.transformer_wan": ("_get_qkv_projections", "WanAttnProcessor"),
@@ -36,6 +37,8 @@ _DIFFUSERS_ATTRIBUTES = (
     ("diffusers.models.transformers.transformer_wan", "WanAttnProcessor", "_parallel_config"),
     (_HV15_PIPELINE, "HunyuanVideo15Pipeline", "_get_mllm_prompt_embeds"),
     (_HV15_PIPELINE, "HunyuanVideo15Pipeline", "_get_byt5_prompt_embeds"),
+    (_HV15_I2V_PIPELINE, "HunyuanVideo15ImageToVideoPipeline", "_get_image_latents"),
+    (_HV15_I2V_PIPELINE, "HunyuanVideo15ImageToVideoPipeline", "_get_image_embeds"),
 )
 
 
@@ -167,6 +170,16 @@ def hunyuan15_text_encoders() -> tuple[Callable[..., Any], Callable[..., Any]]:
     from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import HunyuanVideo15Pipeline as pipeline
 
     return pipeline._get_mllm_prompt_embeds, pipeline._get_byt5_prompt_embeds
+
+
+def hunyuan15_image_encoders() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """diffusers' HunyuanVideo 1.5 image conditioning, its image-to-video pipeline's static ``_get_image_latents``
+    (the VAE's mode of the resized image, times the scaling factor) and ``_get_image_embeds`` (SigLIP's tokens)."""
+    from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5_image2video import (
+        HunyuanVideo15ImageToVideoPipeline as pipeline,
+    )
+
+    return pipeline._get_image_latents, pipeline._get_image_embeds
 
 
 # --- torch ----------------------------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ class ModelFamily:
     expand_timesteps: bool = False
     image_encoder: bool = False
     compact_text: bool = True  # whether the text-padding plan (Wan's text-only cross-attention) applies
+    size_from_image: bool = False  # an unset height and width follow the image's aspect-ratio bucket (HunyuanVideo)
 
     @property
     def takes_image(self) -> bool:

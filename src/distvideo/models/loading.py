@@ -79,7 +79,7 @@ def load_components(
 # --- file checks before loading -----------------------------------------------------------------------------------
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
 # components made of JSON / vocabulary files only
-_NO_WEIGHTS = ("tokenizer", "tokenizer_2", "scheduler", "guider", "image_processor")
+_NO_WEIGHTS = ("tokenizer", "tokenizer_2", "scheduler", "guider", "image_processor", "feature_extractor")
 
 
 def verify_component_files(info: ModelInfo, *, allow_pickle_weights: bool = False) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 from distvideo.errors import ConfigError
 from distvideo.models.cache_ratios import CACHE_DEFAULT_KEYS, read_ratios, resolve_cache, scheduler_name
 from distvideo.models.family import IMAGE_NONE, IMAGE_OPTIONAL, IMAGE_REQUIRED, ModelFamily
-from distvideo.models.hunyuan15 import HUNYUAN15_T2V, guider_defaults
+from distvideo.models.hunyuan15 import HUNYUAN15_I2V, HUNYUAN15_T2V, guider_defaults, image_size_bucket
 from distvideo.request import GenerationRequest
 
 _T5 = ("vae", "text_encoder", "tokenizer", "scheduler")
@@ -119,6 +119,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     WAN22_I2V_A14B,
     WAN22_TI2V_5B,
     HUNYUAN15_T2V,
+    HUNYUAN15_I2V,
 )
 SUPPORTED_CLASSES: tuple[str, ...] = tuple(dict.fromkeys(name for fam in FAMILIES for name in fam.class_names))
 DEFAULTS_FILE = "distvideo_defaults.json"
@@ -187,6 +188,11 @@ class ModelInfo:
             from distvideo.images import load_image
 
             filled = dataclasses.replace(filled, image=load_image(filled.image))
+            if self.family.size_from_image and request.height is None and request.width is None:
+                rows, cols = filled.image.shape[:2]
+                target = int(self.transformer_config.get("target_size", 640))
+                height, width = image_size_bucket(rows, cols, target)
+                filled = dataclasses.replace(filled, height=height, width=width)
         return filled
 
     def _check_family_inputs(self, request: GenerationRequest) -> None:
@@ -195,7 +201,7 @@ class ModelInfo:
         if request.image is not None and family.image == IMAGE_NONE:
             raise ConfigError(
                 f"image: {what}, a text-to-video model that takes no image; drop --image, or use an image-to-video "
-                "checkpoint (Wan2.1 I2V, Wan2.2 I2V-A14B or Wan2.2 TI2V-5B)"
+                "checkpoint (Wan2.1 I2V, Wan2.2 I2V-A14B, Wan2.2 TI2V-5B or HunyuanVideo 1.5 I2V)"
             )
         if request.image is None and family.image == IMAGE_REQUIRED:
             raise ConfigError(

@@ -77,8 +77,14 @@ class HunyuanVideo15T2VPipeline(StagedWanPipeline):
         self.text_encoder_2 = components["text_encoder_2"].eval()
         self.transformer = components["transformer"].to(device).eval()
         self.vae = components["vae"].eval()
-        self.image_encoder = None
-        modules = {"text_encoder": self.text_encoder, "text_encoder_2": self.text_encoder_2, "vae": self.vae}
+        encoder = components.get("image_encoder")  # image-to-video's SigLIP
+        self.image_encoder = encoder.eval() if encoder is not None else None
+        modules = {
+            "text_encoder": self.text_encoder,
+            "text_encoder_2": self.text_encoder_2,
+            "image_encoder": self.image_encoder,
+            "vae": self.vae,
+        }
         self.offload = ComponentOffload(modules, device, offload)
         self.scheduler_config = components["scheduler"].config
         self.scheduler_cls = type(components["scheduler"])

@@ -22,7 +22,7 @@ from distvideo.testing.components import cast, fresh_checkpoint_folder, init_wei
 
 __all__ = ["HUNYUAN_CHAT_TEMPLATE", "build_hunyuan_checkpoint"]
 
-_SEEDS = {"transformer": 0, "vae": 1_000, "text_encoder": 2_000, "text_encoder_2": 2_500}
+_SEEDS = {"transformer": 0, "vae": 1_000, "text_encoder": 2_000, "text_encoder_2": 2_500, "image_encoder": 3_000}
 
 #: ChatML, as Qwen2.5's tokenizer ships it (text messages only): what `apply_chat_template` renders.
 HUNYUAN_CHAT_TEMPLATE = (
@@ -106,7 +106,30 @@ def _byt5_encoder(hidden: int, seed: int) -> tuple[Any, Any]:
     return model.eval(), tokenizer
 
 
-def _transformer(*, latent: int, heads: int, head_dim: int, layers: int, text_dims: tuple[int, int], seed: int) -> Any:
+def _siglip(seed: int) -> tuple[Any, Any]:
+    """The SigLIP stand-in: 54 px images in 2 px patches, so the image context has 27 x 27 = 729 tokens, as SigLIP's
+    384 px images in 14 px patches give (the pipeline's `vision_num_semantic_tokens`)."""
+    from transformers import SiglipImageProcessor, SiglipVisionConfig, SiglipVisionModel
+
+    config = SiglipVisionConfig(
+        hidden_size=SIGLIP_HIDDEN,
+        intermediate_size=2 * SIGLIP_HIDDEN,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=54,
+        patch_size=2,
+    )
+    model = SiglipVisionModel(config)
+    init_weights(model, seed)
+    return model.eval(), SiglipImageProcessor(size={"height": 54, "width": 54})
+
+
+SIGLIP_HIDDEN = 16
+
+
+def _transformer(
+    *, latent: int, heads: int, head_dim: int, layers: int, text_dims: tuple[int, int], seed: int, **extra: Any
+) -> Any:
     from diffusers import HunyuanVideo15Transformer3DModel
 
     third = 2 * (head_dim // 6)
@@ -122,10 +145,9 @@ def _transformer(*, latent: int, heads: int, head_dim: int, layers: int, text_di
         patch_size_t=1,
         text_embed_dim=text_dims[0],
         text_embed_2_dim=text_dims[1],
-        image_embed_dim=16,
+        image_embed_dim=SIGLIP_HIDDEN,
         rope_axes_dim=(head_dim - 2 * third, third, third),
-        target_size=640,
-        task_type="t2v",
+        **extra,
     )
     init_weights(model, seed)
     return model
@@ -157,11 +179,15 @@ def build_hunyuan_checkpoint(
     vae_base_dim: int = 8,
     shift: float = 5.0,
     guidance_scale: float = 6.0,
+    image_to_video: bool = False,
+    target_size: int = 640,
     defaults: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Write a random-weight HunyuanVideo 1.5 text-to-video checkpoint to `out_dir`; returns its path. `shift`: the
-    scheduler's (5.0 for the 480p models); `guidance_scale`: the guider's; `defaults` goes to
-    ``distvideo_defaults.json``."""
+    """Write a random-weight HunyuanVideo 1.5 checkpoint to `out_dir`; returns its path: text-to-video
+    (``HunyuanVideo15Pipeline``), or with `image_to_video` ``HunyuanVideo15ImageToVideoPipeline`` (a SigLIP image
+    encoder and its processor). `shift`: the scheduler's (5.0 for the 480p models); `guidance_scale`: the guider's;
+    `target_size`: the transformer's (the image-to-video size bucket follows it; 640 for the 480p models);
+    `defaults` goes to ``distvideo_defaults.json``."""
     import diffusers
     from diffusers import ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler
     from transformers.utils import logging as hf_logging
@@ -184,28 +210,35 @@ def build_hunyuan_checkpoint(
             layers=num_layers,
             text_dims=(text_dim, text_dim),
             seed=seed + _SEEDS["transformer"],
+            target_size=target_size,
+            task_type="i2v" if image_to_video else "t2v",
         )
         transformer.save_pretrained(out / "transformer", safe_serialization=True)
         _vae(latent_channels, vae_base_dim, seed + _SEEDS["vae"]).save_pretrained(out / "vae", safe_serialization=True)
+        if image_to_video:
+            encoder, processor = _siglip(seed + _SEEDS["image_encoder"])
+            encoder.save_pretrained(out / "image_encoder", safe_serialization=True)
+            processor.save_pretrained(out / "feature_extractor")
     scheduler: Any = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=shift)
     scheduler.save_pretrained(out / "scheduler")  # ConfigMixin's, which the stubs do not show
     guider: Any = ClassifierFreeGuidance(guidance_scale=guidance_scale)
     guider.save_pretrained(out / "guider")
-    write_json(
-        out / "model_index.json",
-        {
-            "_class_name": "HunyuanVideo15Pipeline",
-            "_diffusers_version": diffusers.__version__,
-            "guider": ["diffusers", "ClassifierFreeGuidance"],
-            "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-            "text_encoder": ["transformers", "Qwen2_5_VLTextModel"],
-            "text_encoder_2": ["transformers", "T5EncoderModel"],
-            "tokenizer": ["transformers", "Qwen2Tokenizer"],
-            "tokenizer_2": ["transformers", "ByT5Tokenizer"],
-            "transformer": ["diffusers", "HunyuanVideo15Transformer3DModel"],
-            "vae": ["diffusers", "AutoencoderKLHunyuanVideo15"],
-        },
-    )
+    index: dict[str, Any] = {
+        "_class_name": "HunyuanVideo15ImageToVideoPipeline" if image_to_video else "HunyuanVideo15Pipeline",
+        "_diffusers_version": diffusers.__version__,
+        "guider": ["diffusers", "ClassifierFreeGuidance"],
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        "text_encoder": ["transformers", "Qwen2_5_VLTextModel"],
+        "text_encoder_2": ["transformers", "T5EncoderModel"],
+        "tokenizer": ["transformers", "Qwen2Tokenizer"],
+        "tokenizer_2": ["transformers", "ByT5Tokenizer"],
+        "transformer": ["diffusers", "HunyuanVideo15Transformer3DModel"],
+        "vae": ["diffusers", "AutoencoderKLHunyuanVideo15"],
+    }
+    if image_to_video:
+        index["image_encoder"] = ["transformers", "SiglipVisionModel"]
+        index["feature_extractor"] = ["transformers", "SiglipImageProcessor"]
+    write_json(out / "model_index.json", index)
     if defaults is not None:
         write_json(out / "distvideo_defaults.json", dict(defaults))
     return out
