@@ -102,3 +102,40 @@ def test_inline_frames_match_diffusers(checkpoint: Path) -> None:
         checkpoint, PROMPT, negative_prompt=NEGATIVE, guidance_scale=REQUEST["guidance_scale"], seed=3, **kwargs
     )
     assert int(np.abs(reference.astype(np.int16) - result.frames.astype(np.int16)).max()) <= 2
+
+
+@pytest.mark.slow
+def test_lora_in_diffusers_naming_matches_diffusers(checkpoint: Path, tmp_path: Path) -> None:
+    """A diffusers/PEFT LoRA file (keys ``transformer.transformer_blocks.N.attn.to_q.lora_A.weight``) on the joint
+    attention and the feed-forward of both streams: the same frames (within 2) as diffusers' transformer with the
+    same file (``load_lora_adapter``; HunyuanVideo15Pipeline has no pipeline-level LoRA loader)."""
+    from distvideo.testing.lora_files import build_random_lora
+
+    pattern = r"transformer_blocks\.\d+\.(attn\.(to_q|to_k|to_v|add_k_proj|to_add_out)|ff_context\.net\.2|ff\.net\.2)"
+    path = build_random_lora(checkpoint, tmp_path / "hv.safetensors", layout="diffusers", seed=4, pattern=pattern)
+    request = {**REQUEST, "seed": 9}
+    with VideoGenerator.from_pretrained(str(checkpoint)) as gen:
+        base = gen.generate(PROMPT, negative_prompt=NEGATIVE, save_video=False, **request).frames
+        gen.set_lora_adapter("style", str(path), strength=0.8)
+        adapted = gen.generate(PROMPT, negative_prompt=NEGATIVE, save_video=False, **request).frames
+    assert base is not None and adapted is not None
+    assert int(np.abs(base.astype(np.int16) - adapted.astype(np.int16)).max()) > 10, "the adapter must matter"
+
+    import torch
+    from diffusers import ClassifierFreeGuidance, HunyuanVideo15Pipeline
+
+    pipe = HunyuanVideo15Pipeline.from_pretrained(str(checkpoint))
+    pipe.set_progress_bar_config(disable=True)
+    pipe.guider = ClassifierFreeGuidance(guidance_scale=request["guidance_scale"])
+    pipe.transformer.load_lora_adapter(str(path), adapter_name="style", prefix="transformer")
+    pipe.transformer.set_adapters(["style"], [0.8])
+    kwargs = {k: v for k, v in request.items() if k not in ("guidance_scale", "seed")}
+    out = pipe(
+        prompt=PROMPT,
+        negative_prompt=NEGATIVE,
+        generator=torch.Generator("cpu").manual_seed(9),
+        output_type="np",
+        **kwargs,
+    ).frames[0]
+    reference = np.round(out * 255).astype(np.uint8)
+    assert int(np.abs(reference.astype(np.int16) - adapted.astype(np.int16)).max()) <= 2
