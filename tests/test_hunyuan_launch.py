@@ -1,6 +1,7 @@
 """HunyuanVideo 1.5 under torchrun (2 CPU ranks, gloo, the external executor): Ulysses (sp=2) and CFG parallelism
 (cfg=2), text- and image-to-video, reproduce the inline frames within 2, with the frames on rank 0 only, the declared
-collectives, and the image condition computed on rank 0 and bit-identical on both ranks. One launch runs every engine
+collectives, and the image condition computed on rank 0 and bit-identical on both ranks; the banded decode of the
+HunyuanVideo 1.5 VAE equals a single-rank decode. One launch runs every engine
 (tests/parallel_scripts/family_cases.py, shared with the Wan families)."""
 
 from __future__ import annotations
@@ -21,8 +22,11 @@ pytestmark = [pytest.mark.launcher, pytest.mark.slow]
 SCRIPT = REPO / "tests" / "parallel_scripts" / "family_cases.py"
 PROMPT = "a red fox running through snow"  # the script's
 LAYERS = 2
-# 3 latent frames x 3 x 5 = 45 tokens (sp=2 pads to 46); the image-to-video size is the image's bucket (48 x 64)
-T2V = dict(num_frames=9, height=48, width=80, num_inference_steps=2, guidance_scale=4.5, seed=7)
+# 3 latent frames x 4 x 5 = 60 tokens; 4 latent rows: the decode runs in two bands of 2. The image-to-video size is
+# the image's bucket (48 x 64: 3 latent rows, decoded on rank 0 alone)
+T2V = dict(num_frames=9, height=64, width=80, num_inference_steps=2, guidance_scale=4.5, seed=7)
+# the VAE decoded in bands against one rank on the same latents: 4 rows (2 + 2), 5 rows (3 + 2)
+DECODE_CHECKS = [[1, 8, 3, 4, 5], [1, 8, 2, 5, 3]]
 I2V = dict(num_frames=9, num_inference_steps=2, guidance_scale=4.5, seed=8)
 ENGINES = [  # (engine, checkpoint, sp_size, cfg_parallel, request)
     ("t2v-sp2", "t2v", 2, False, T2V),
@@ -59,6 +63,7 @@ def launch(tmp_path_factory: pytest.TempPathFactory, checkpoints: dict[str, Any]
             "sp_size": sp,
             "cfg_parallel": cfg,
             "requests": [{"name": "r", "kwargs": _kwargs(checkpoints, kind, request)}],
+            "decode_checks": DECODE_CHECKS if name == "t2v-sp2" else [],
         }
         for name, kind, sp, cfg, request in ENGINES
     ]
@@ -95,3 +100,12 @@ def test_torchrun_matches_inline(launch, inline, name, kind, sp, cfg, request_kw
         assert records[0]["condition"] is not None and records[0]["condition"] == records[1]["condition"]
         contexts = [rank["context"] for rank in report["ranks"]]
         assert contexts[0]["conditioning_computed"] == 1 and contexts[1]["conditioning_received"] == 1
+
+
+def test_banded_decode_of_the_hunyuan_vae_is_exact(launch) -> None:
+    for i, shape in enumerate(DECODE_CHECKS):
+        diffs = launch["report"][f"t2v-sp2-decode{i}"]
+        assert diffs[1] is None, "the decoded video lands on rank 0 only"
+        assert diffs[0] is not None and diffs[0] <= 1e-4, f"{shape}: banded vs single {diffs[0]}"
+    counts = [rank["vae"] for rank in launch["report"]["t2v-sp2-r"]["ranks"]]  # the request's own decode: 2 bands
+    assert all(c.get("halo_exchange", 0) > 0 and c.get("gather") == 1 for c in counts), counts

@@ -1,4 +1,5 @@
-"""Exact parallel VAE decode for diffusers' AutoencoderKLWan: each rank decodes one band of rows.
+"""Exact parallel VAE decode for diffusers' AutoencoderKLWan (and, by parallel/vae_hunyuan15.py's declarations,
+AutoencoderKLHunyuanVideo15): each rank decodes one band of rows.
 
 Wan's decoder is local in rows almost everywhere: 3x3 spatial convolutions (causal in time, with a per-frame
 feature cache), per-pixel RMS norms over channels, SiLU, nearest upsampling (output row i comes from input row i//2)
@@ -37,9 +38,9 @@ logger = logging.getLogger(__name__)
 #: shrinks with the band, and below two rows every first-level convolution exchanges as many rows as it computes.
 MIN_BAND_ROWS = 2
 
-#: The VAE classes whose decoders the bands are proven exact for; any other VAE (HunyuanVideo 1.5's) is decoded whole
-#: on the replica's first rank, as a decode of one band.
-BANDED_VAES = frozenset({"AutoencoderKLWan"})
+#: The VAE classes whose decoders the bands are proven exact for (HunyuanVideo 1.5's: parallel/vae_hunyuan15.py); any
+#: other VAE is decoded whole on the replica's first rank, as a decode of one band.
+BANDED_VAES = frozenset({"AutoencoderKLWan", "AutoencoderKLHunyuanVideo15"})
 
 # Decoder module classes (by name) known to be local in rows, or handled by this plan. Anything else in the decoder
 # stops the plan from applying: a new diffusers layer might mix rows, and a wrong frame is worse than a slow one.
@@ -125,6 +126,7 @@ class BandedVaeDecoder:
 
     component = "vae"
     name = "vae-band-decode"
+    row_halo = staticmethod(conv_row_halo)  # for the per-VAE declarations (parallel/vae_hunyuan15.py)
 
     def __init__(self, group_for: Callable[[int], Any], rank: int, world_size: int, min_rows: int = MIN_BAND_ROWS):
         self.group_for = group_for  # size -> group of the replica's ranks 0..size-1, None outside (prefix_group)
@@ -142,6 +144,12 @@ class BandedVaeDecoder:
         if type(vae).__name__ not in BANDED_VAES:  # another family's VAE: decoded whole on the replica's first rank
             logger.debug("%s: no exact banded decode yet; decoding on one rank", type(vae).__name__)
             self.vae, self.banded = vae, False
+            return self.remove
+        if type(vae).__name__ == "AutoencoderKLHunyuanVideo15":
+            from distvideo.parallel.vae_hunyuan15 import apply_hunyuan15_bands
+
+            apply_hunyuan15_bands(self, vae)
+            self.vae = vae
             return self.remove
         WanCausalConv3d, WanAttentionBlock = compat.wan_vae_classes()
         unknown = sorted({type(m).__name__ for m in vae.decoder.modules()} - _ROW_LOCAL_MODULES)
