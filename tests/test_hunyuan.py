@@ -87,6 +87,8 @@ def test_request_checks_name_the_family(checkpoint: Path) -> None:
         info.resolve_request(GenerationRequest(prompt="x", num_frames=8))
     with pytest.raises(ConfigError, match=r"HunyuanVideo 1\.5 T2V"):
         info.resolve_request(GenerationRequest(prompt="x", image=np.zeros((16, 16, 3), np.uint8)))
+    with pytest.raises(ConfigError, match=r"cache='first-block'.*dual-stream"):
+        info.resolve_request(GenerationRequest(prompt="x", cache="first-block"))
 
 
 @pytest.mark.slow

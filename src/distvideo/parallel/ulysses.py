@@ -194,7 +194,7 @@ def _joint_processor(plan: UlyssesPlan, backend: Any) -> Any:
 #: joint attention (text and video tokens together, parallel/ulysses_joint.py).
 SEQUENCE_POINTS: dict[str, SequencePoints] = {
     "WanTransformer3DModel": SequencePoints("blocks", "attn1", lambda p, b: UlyssesAttnProcessor(p, b), 1, True),
-    "HunyuanVideo15Transformer3DModel": SequencePoints("transformer_blocks", "attn", _joint_processor, 0, False),
+    "HunyuanVideo15Transformer3DModel": SequencePoints("transformer_blocks", "attn", _joint_processor, 0, True),
 }
 
 
@@ -255,6 +255,13 @@ class UlyssesPlan:
         self._processors: list[tuple[Any, Any]] = []
         self._patch_size: tuple[int, ...] = (1, 2, 2)
         self._rope_dim = 1  # the sequence dimension of the rotary tables
+
+    @property
+    def ulysses_rank(self) -> int:
+        """This rank's place in the Ulysses group: the all-to-all gives it the heads ulysses_rank * H/ulysses on."""
+        if self.ring is None:
+            return self.sp_rank
+        return dist.get_rank(self.ulysses_group) if self.ulysses_size > 1 else 0
 
     @property
     def shard(self) -> SequenceShard:
