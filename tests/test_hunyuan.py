@@ -141,3 +141,37 @@ def test_lora_in_diffusers_naming_matches_diffusers(checkpoint: Path, tmp_path: 
     ).frames[0]
     reference = np.round(out * 255).astype(np.uint8)
     assert int(np.abs(reference.astype(np.int16) - adapted.astype(np.int16)).max()) <= 2
+
+
+def test_flop_count_matches_torchs_counter(checkpoint: Path) -> None:
+    """The bench's analytic FLOPs of one transformer forward: its matmul terms equal torch's FlopCounterMode on a
+    real forward to 0.1% (the rest are the per-sample terms it leaves out); the attention terms, which the counter
+    does not see on CPU, are 2 * 2 * L^2 * D per layer by construction."""
+    import torch
+    from diffusers import HunyuanVideo15Transformer3DModel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from distvideo.models.flops import HUNYUAN15_TOKENS, hunyuan15_transformer_flops_breakdown
+
+    model = HunyuanVideo15Transformer3DModel.from_pretrained(str(checkpoint / "transformer")).eval()
+    config = json.loads((checkpoint / "transformer" / "config.json").read_text())
+    latents = torch.randn(1, 2 * 8 + 1, 3, 3, 5)
+    text = HUNYUAN15_TOKENS["mllm"]
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(
+            hidden_states=latents,
+            timestep=torch.tensor([999.0]),
+            encoder_hidden_states=torch.randn(1, text, 32),
+            encoder_attention_mask=torch.ones(1, text),
+            encoder_hidden_states_2=torch.randn(1, HUNYUAN15_TOKENS["byt5"], 32),
+            encoder_attention_mask_2=torch.zeros(1, HUNYUAN15_TOKENS["byt5"]),
+            image_embeds=torch.zeros(1, HUNYUAN15_TOKENS["image"], 16),
+            return_dict=False,
+        )
+    parts = hunyuan15_transformer_flops_breakdown(config, latents.shape)
+    dim = config["num_attention_heads"] * config["attention_head_dim"]
+    refiner_attention = config["num_refiner_layers"] * 2 * 2 * text * text * dim
+    matmuls = sum(parts.values()) - parts["attention"] - refiner_attention
+    assert abs(matmuls / counter.get_total_flops() - 1) < 1e-3
+    joint = 3 * 3 * 5 + sum(HUNYUAN15_TOKENS.values())
+    assert parts["attention"] == config["num_layers"] * 2 * 2 * joint * joint * dim
