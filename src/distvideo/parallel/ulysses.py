@@ -1,4 +1,7 @@
-"""Ulysses sequence parallelism for diffusers' WanTransformer3DModel, applied as a plan to the loaded module.
+"""Ulysses sequence parallelism for diffusers' WanTransformer3DModel, applied as a plan to the loaded module (and, by
+the declarations of `SEQUENCE_POINTS`, to HunyuanVideo15Transformer3DModel, whose joint attention is
+parallel/ulysses_joint.py's). What follows describes Wan's hook points; HunyuanVideo's are the same on its
+``transformer_blocks`` and ``attn``.
 
 The model file stays untouched (as torchtitan keeps `parallelize.py` apart from `model.py`); hooks and one attention
 processor change what flows through it:
@@ -274,8 +277,8 @@ class UlyssesPlan:
         points = sequence_points(transformer)
         if self.ring is not None and not points.ring:
             raise ValueError(
-                f"ring attention is not offered for {type(transformer).__name__} (its attention is masked); use "
-                "Ulysses alone (ring_size=1)"
+                f"ring attention is not declared for {type(transformer).__name__} (SEQUENCE_POINTS); use Ulysses "
+                "alone (ring_size=1)"
             )
         heads = int(transformer.config.num_attention_heads)
         if heads % self.ulysses_size:
