@@ -1,8 +1,9 @@
 """`distvideo bench --compare diffusers` on every model family, on one rank, with benchmark-sized random checkpoints.
 
 For each family a 4-layer checkpoint 256 wide (4 heads x 64; VAE base width 16) is built once into
-`--folder` (distvideo.testing.families), then `distvideo bench` runs distvideo and the matching diffusers pipeline
-(WanPipeline, or WanImageToVideoPipeline with an image) interleaved run by run, and the table below is printed from
+`--folder` (distvideo.testing.families; HunyuanVideo 1.5: distvideo.testing.hunyuan), then `distvideo bench` runs
+distvideo and the matching diffusers pipeline (WanPipeline, or WanImageToVideoPipeline with an image; the
+checkpoint's HunyuanVideo15Pipeline or HunyuanVideo15ImageToVideoPipeline) interleaved run by run, and the table below is printed from
 the JSON reports (medians of the per-run ratios distvideo / diffusers). Each family's bench runs in its own process.
 
     python benchmarks/families.py --runs 5 --warmup 1 --out bench-families
@@ -24,7 +25,12 @@ FAMILIES = {
     "wan22_t2v_a14b": (False, ["--num-frames", "9", "--height", "96", "--width", "96", "--steps", "6"]),
     "wan22_i2v_a14b": (True, ["--num-frames", "9", "--height", "96", "--width", "96", "--steps", "6"]),
     "wan22_ti2v_5b": (True, ["--num-frames", "9", "--height", "96", "--width", "96", "--steps", "6"]),
+    # HunyuanVideo 1.5 (distvideo.testing.hunyuan): diffusers sizes image-to-video by the image's bucket at the
+    # transformer's target size (96: 80 x 96 for the 160 x 120 image), so that request gives no size
+    "hunyuan15_t2v": (False, ["--num-frames", "9", "--height", "96", "--width", "96", "--steps", "6"]),
+    "hunyuan15_i2v": (True, ["--num-frames", "9", "--steps", "6"]),
 }
+HUNYUAN_WIDTH = dict(num_layers=4, num_attention_heads=4, attention_head_dim=64, text_dim=64, vae_base_dim=16)
 ROWS = [
     ("end to end (s)", "e2e_s"),
     ("text encoding (s)", "text_encoding"),
@@ -36,13 +42,18 @@ ROWS = [
 
 def build(folder: Path) -> dict[str, Path]:
     from distvideo.testing.families import build_family_checkpoint, write_test_image
+    from distvideo.testing.hunyuan import build_hunyuan_checkpoint
 
     folder.mkdir(parents=True, exist_ok=True)
     paths = {}
     for family in FAMILIES:
         path = folder / family
         if not (path / "model_index.json").is_file():
-            build_family_checkpoint(family, path, scheduler="unipc", seed=21, **WIDTH)
+            if family.startswith("hunyuan15"):
+                i2v = family.endswith("i2v")
+                build_hunyuan_checkpoint(path, seed=21, image_to_video=i2v, target_size=96, **HUNYUAN_WIDTH)
+            else:
+                build_family_checkpoint(family, path, scheduler="unipc", seed=21, **WIDTH)
         paths[family] = path
     if not (folder / "image.png").is_file():
         write_test_image(folder / "image.png", width=160, height=120, seed=1)

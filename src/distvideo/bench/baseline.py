@@ -1,5 +1,6 @@
-"""diffusers' WanPipeline in a child process (its memory peak is its own), timed stage by stage, run on demand by
-the bench on the same checkpoint, shape, seed, device, dtypes and thread count as distvideo."""
+"""diffusers' WanPipeline (or the checkpoint's HunyuanVideo 1.5 pipeline) in a child process (its memory peak is its
+own), timed stage by stage, run on demand by the bench on the same checkpoint, shape, seed, device, dtypes and thread
+count as distvideo."""
 
 from __future__ import annotations
 
@@ -31,12 +32,13 @@ class _DiffusersTimer:
     decoding = `pipe.vae.decode`."""
 
     def __init__(self, spec: DiffusersSpec):
+        import json
         import warnings
+        from pathlib import Path
 
         import diffusers
         import torch
         import transformers
-        from diffusers import AutoencoderKLWan
 
         for library in (diffusers, transformers):
             library.utils.logging.set_verbosity_error()
@@ -45,7 +47,8 @@ class _DiffusersTimer:
         dtypes = {name: getattr(torch, value) for name, value in spec.dtypes.items()}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # torch_dtype -> dtype rename; older diffusers need it
-            vae = AutoencoderKLWan.from_pretrained(spec.model, subfolder="vae", torch_dtype=dtypes["vae"])
+            vae_class = json.loads((Path(spec.model) / "model_index.json").read_text())["vae"][1]  # the checkpoint's
+            vae = getattr(diffusers, vae_class).from_pretrained(spec.model, subfolder="vae", torch_dtype=dtypes["vae"])
             pipe = getattr(diffusers, spec.pipeline).from_pretrained(
                 spec.model, vae=vae, torch_dtype=dtypes["transformer"]
             )
@@ -100,6 +103,19 @@ class _DiffusersTimer:
             family_kwargs["guidance_scale_2"] = request.guidance_scale_2
         if request.boundary_ratio is not None:
             self.pipe.register_to_config(boundary_ratio=request.boundary_ratio)
+        if type(self.pipe).__name__.startswith("HunyuanVideo15"):  # the scale is its guider's; I2V sizes itself
+            from diffusers import ClassifierFreeGuidance
+
+            self.pipe.guider = ClassifierFreeGuidance(guidance_scale=request.guidance_scale)
+            if request.image is None:
+                family_kwargs.update(height=request.height, width=request.width)
+        else:
+            family_kwargs.update(
+                height=request.height,
+                width=request.width,
+                guidance_scale=request.guidance_scale,
+                max_sequence_length=request.max_sequence_length,
+            )
         metric = reset_peak_memory(self.device)
         start = self._now()
         video = self.pipe(
@@ -107,13 +123,9 @@ class _DiffusersTimer:
             **family_kwargs,
             negative_prompt=request.negative_prompt,
             num_frames=request.num_frames,
-            height=request.height,
-            width=request.width,
             num_inference_steps=request.num_inference_steps,
-            guidance_scale=request.guidance_scale,
             generator=torch.Generator("cpu").manual_seed(request.seed),
             output_type="np",
-            max_sequence_length=request.max_sequence_length,
         ).frames[0]
         e2e = self._now() - start
         m = self.marks

@@ -66,7 +66,7 @@ class BenchPlan:
 def plan_from_args(args: argparse.Namespace) -> BenchPlan:
     """Check every argument against the model's JSON files; raises ConfigError (exit 2) before any loading."""
     from distvideo.executors import resolve_engine
-    from distvideo.models.flops import wan_transformer_flops_breakdown
+    from distvideo.models.flops import hunyuan15_transformer_flops_breakdown, wan_transformer_flops_breakdown
 
     if args.runs < 1:
         raise ConfigError(f"--runs {args.runs}: must be >= 1 (measured runs of each side), e.g. --runs 5")
@@ -97,13 +97,16 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
     # the transformer's input: the noise latents, with the condition channels of Wan2.1 I2V / Wan2.2 I2V-A14B
     input_shape = (*latent_shape[:1], int(tr_config.get("in_channels", latent_shape[1])), *latent_shape[2:])
     try:
-        breakdown = wan_transformer_flops_breakdown(
-            tr_config,
-            input_shape,
-            request.max_sequence_length,
-            image_len=_clip_tokens(info.path) if info.family.image_encoder else 0,
-            per_token_timesteps=info.family.expand_timesteps,
-        )
+        if info.class_name.startswith("HunyuanVideo15"):
+            breakdown = hunyuan15_transformer_flops_breakdown(tr_config, input_shape)
+        else:
+            breakdown = wan_transformer_flops_breakdown(
+                tr_config,
+                input_shape,
+                request.max_sequence_length,
+                image_len=_clip_tokens(info.path) if info.family.image_encoder else 0,
+                per_token_timesteps=info.family.expand_timesteps,
+            )
     except ValueError as exc:
         raise ConfigError(f"--model {info.path}: {exc}") from None
     return BenchPlan(

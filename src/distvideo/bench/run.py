@@ -116,6 +116,8 @@ def load_baseline(
             first = rank_envs[0]
             baseline = started or DiffusersBaseline()
             pipeline = "WanImageToVideoPipeline" if request.image is not None else "WanPipeline"
+            if plan.engine.model.class_name.startswith("HunyuanVideo15"):  # its own class is its reference
+                pipeline = plan.engine.model.class_name
             baseline.load(
                 DiffusersSpec(
                     str(plan.engine.config.model), first["device"], first["dtypes"], first["threads"], pipeline

@@ -22,6 +22,8 @@ logger = logging.getLogger(__name__)
 #: diffusers releases the plans were tested with (inclusive, by minor version); others are checked name by name.
 TESTED_DIFFUSERS = ((0, 35), (0, 42))
 
+_HV15_PIPELINE = "diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5"
+_HV15_I2V_PIPELINE = "diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5_image2video"
 # module -> the private (or deep, unexported) names taken from it
 _DIFFUSERS_NAMES = {
     "diffusers.models.transformers.transformer_wan": ("_get_qkv_projections", "WanAttnProcessor"),
@@ -33,6 +35,10 @@ _DIFFUSERS_NAMES = {
 _DIFFUSERS_ATTRIBUTES = (
     ("diffusers.models.transformers.transformer_wan", "WanAttnProcessor", "_attention_backend"),
     ("diffusers.models.transformers.transformer_wan", "WanAttnProcessor", "_parallel_config"),
+    (_HV15_PIPELINE, "HunyuanVideo15Pipeline", "_get_mllm_prompt_embeds"),
+    (_HV15_PIPELINE, "HunyuanVideo15Pipeline", "_get_byt5_prompt_embeds"),
+    (_HV15_I2V_PIPELINE, "HunyuanVideo15ImageToVideoPipeline", "_get_image_latents"),
+    (_HV15_I2V_PIPELINE, "HunyuanVideo15ImageToVideoPipeline", "_get_image_embeds"),
 )
 
 
@@ -66,7 +72,10 @@ def check_private_names() -> None:
             continue
         missing += [f"{module_name}.{name}" for name in names if not hasattr(module, name)]
     for module_name, cls_name, attribute in _DIFFUSERS_ATTRIBUTES:
-        cls = getattr(importlib.import_module(module_name), cls_name, None)
+        try:
+            cls = getattr(importlib.import_module(module_name), cls_name, None)
+        except ImportError:  # a family newer than this diffusers (HunyuanVideo 1.5 before 0.36): checked at its load
+            continue
         if cls is not None and not hasattr(cls, attribute):
             missing.append(f"{module_name}.{cls_name}.{attribute}")
     if not hasattr(nn.Conv3d, "_conv_forward"):
@@ -97,11 +106,20 @@ def wan_qkv_projections(attn: Any, hidden_states: torch.Tensor, encoder_hidden_s
     return _get_qkv_projections(attn, hidden_states, encoder_hidden_states)
 
 
-def dispatch_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, backend: Any) -> torch.Tensor:
-    """diffusers' attention dispatcher (the backend a processor was configured with), no mask, no dropout."""
+def dispatch_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    backend: Any,
+    *,
+    attn_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """diffusers' attention dispatcher (the backend a processor was configured with), no dropout."""
     from diffusers.models.attention_dispatch import dispatch_attention_fn
 
-    return dispatch_attention_fn(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, backend=backend)
+    return dispatch_attention_fn(
+        query, key, value, attn_mask=attn_mask, dropout_p=0.0, is_causal=False, backend=backend
+    )
 
 
 def attention_backend(processor: Any) -> Any:
@@ -143,6 +161,25 @@ def prompt_clean(text: str) -> str:
     from diffusers.pipelines.wan.pipeline_wan import prompt_clean as clean
 
     return clean(text)
+
+
+def hunyuan15_text_encoders() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """diffusers' HunyuanVideo 1.5 text encodings, its pipeline's static ``_get_mllm_prompt_embeds`` (Qwen2.5-VL over
+    the chat template, the system prompt cropped) and ``_get_byt5_prompt_embeds`` (the quoted glyph texts through
+    ByT5), for parity with HunyuanVideo15Pipeline."""
+    from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import HunyuanVideo15Pipeline as pipeline
+
+    return pipeline._get_mllm_prompt_embeds, pipeline._get_byt5_prompt_embeds
+
+
+def hunyuan15_image_encoders() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """diffusers' HunyuanVideo 1.5 image conditioning, its image-to-video pipeline's static ``_get_image_latents``
+    (the VAE's mode of the resized image, times the scaling factor) and ``_get_image_embeds`` (SigLIP's tokens)."""
+    from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5_image2video import (
+        HunyuanVideo15ImageToVideoPipeline as pipeline,
+    )
+
+    return pipeline._get_image_latents, pipeline._get_image_embeds
 
 
 # --- torch ----------------------------------------------------------------------------------------------------------

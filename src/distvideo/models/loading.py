@@ -42,7 +42,7 @@ def load_component(
     kwargs: dict[str, Any] = {}
     if dtype is not None and name not in _NO_WEIGHTS:
         kwargs["dtype" if library == "transformers" else "torch_dtype"] = dtype
-    if name not in ("tokenizer", "scheduler") and not allow_pickle_weights:
+    if name not in _NO_WEIGHTS and not allow_pickle_weights:
         kwargs["use_safetensors"] = True  # never unpickle weights (verify_component_files refused pickle-only ones)
     try:
         if name == "scheduler":
@@ -78,7 +78,8 @@ def load_components(
 
 # --- file checks before loading -----------------------------------------------------------------------------------
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
-_NO_WEIGHTS = ("tokenizer", "scheduler", "image_processor")  # components made of JSON / vocabulary files only
+# components made of JSON / vocabulary files only
+_NO_WEIGHTS = ("tokenizer", "tokenizer_2", "scheduler", "guider", "image_processor", "feature_extractor")
 
 
 def verify_component_files(info: ModelInfo, *, allow_pickle_weights: bool = False) -> None:

@@ -91,7 +91,12 @@ def speed_plans(config: EngineConfig, model: ModelInfo | None = None, *, sp_size
     transformers = model.family.transformers if model is not None else ("transformer",)
     plans: list[ModulePlan] = []
     if config.compact_text_padding:
-        if model is not None and model.family.image_encoder:
+        if model is not None and not model.family.compact_text:
+            _log_once(
+                f"compact text padding is off for {model.family.name}: its text joins the video tokens in one joint "
+                "attention under a mask, not the text-only cross-attention the plan compacts"
+            )
+        elif model is not None and model.family.image_encoder:
             _log_once(
                 f"compact text padding is off for {model.family.name}: its cross-attention attends to CLIP image "
                 "tokens in front of the text, which the plan's processor does not handle (it compacts text-only "

@@ -15,45 +15,11 @@ from typing import Any
 
 from distvideo.errors import ConfigError
 from distvideo.models.cache_ratios import CACHE_DEFAULT_KEYS, read_ratios, resolve_cache, scheduler_name
+from distvideo.models.family import IMAGE_NONE, IMAGE_OPTIONAL, IMAGE_REQUIRED, ModelFamily
+from distvideo.models.hunyuan15 import HUNYUAN15_I2V, HUNYUAN15_T2V, guider_defaults, image_size_bucket
 from distvideo.request import GenerationRequest
 
-IMAGE_NONE, IMAGE_OPTIONAL, IMAGE_REQUIRED = "none", "optional", "required"
 _T5 = ("vae", "text_encoder", "tokenizer", "scheduler")
-
-
-@dataclass(frozen=True)
-class ModelFamily:
-    """One model family: which checkpoints it is (the `model_index.json` class and the traits read from it), which
-    pipeline runs it, what it loads and which request defaults it documents.
-
-    A checkpoint belongs to the family whose `class_names` hold its `_class_name` and whose traits equal the
-    checkpoint's: `experts` (2 when `transformer_2` is a component), `expand_timesteps` (per-token timesteps) and
-    `image_encoder` (a CLIP image encoder is a component)."""
-
-    name: str  # as messages say it, e.g. "Wan2.2 TI2V-5B"
-    class_names: tuple[str, ...]
-    pipeline: str  # key into distvideo.pipelines.PIPELINES
-    components: tuple[str, ...]
-    defaults: dict[str, Any]
-    description: str
-    image: str = IMAGE_NONE  # whether a request takes an image: "none" | "optional" | "required"
-    experts: int = 1
-    expand_timesteps: bool = False
-    image_encoder: bool = False
-
-    @property
-    def takes_image(self) -> bool:
-        """Whether a request may bring a conditioning image."""
-        return self.image != IMAGE_NONE
-
-    @property
-    def transformers(self) -> tuple[str, ...]:
-        """The denoising transformers' component names, the high-noise expert first."""
-        return ("transformer", "transformer_2")[: self.experts]
-
-    @property
-    def traits(self) -> tuple[int, bool, bool]:
-        return self.experts, self.expand_timesteps, self.image_encoder
 
 
 # Request defaults: diffusers' pipeline defaults and, where Wan documents its own, Wan's (sample_steps,
@@ -146,7 +112,15 @@ WAN22_TI2V_5B = ModelFamily(
     expand_timesteps=True,
 )
 
-FAMILIES: tuple[ModelFamily, ...] = (WAN_T2V, WAN_I2V, WAN22_T2V_A14B, WAN22_I2V_A14B, WAN22_TI2V_5B)
+FAMILIES: tuple[ModelFamily, ...] = (
+    WAN_T2V,
+    WAN_I2V,
+    WAN22_T2V_A14B,
+    WAN22_I2V_A14B,
+    WAN22_TI2V_5B,
+    HUNYUAN15_T2V,
+    HUNYUAN15_I2V,
+)
 SUPPORTED_CLASSES: tuple[str, ...] = tuple(dict.fromkeys(name for fam in FAMILIES for name in fam.class_names))
 DEFAULTS_FILE = "distvideo_defaults.json"
 
@@ -210,10 +184,20 @@ class ModelInfo:
                 f"into one latent frame after the first); try {lower} or {lower + k}"
             )
         filled = resolve_cache(filled, self.cache_ratios, scheduler_name(self.index), str(self.path))
+        if filled.cache not in (None, "none") and not self.family.step_cache:
+            raise ConfigError(
+                f"cache={filled.cache!r}: {self.path.name} is {self.family.name}, whose dual-stream blocks the step "
+                "cache does not serve yet; drop --cache (or use cache='none')"
+            )
         if read_image and filled.image is not None:
             from distvideo.images import load_image
 
             filled = dataclasses.replace(filled, image=load_image(filled.image))
+            if self.family.size_from_image and request.height is None and request.width is None:
+                rows, cols = filled.image.shape[:2]
+                target = int(self.transformer_config.get("target_size", 640))
+                height, width = image_size_bucket(rows, cols, target)
+                filled = dataclasses.replace(filled, height=height, width=width)
         return filled
 
     def _check_family_inputs(self, request: GenerationRequest) -> None:
@@ -222,7 +206,7 @@ class ModelInfo:
         if request.image is not None and family.image == IMAGE_NONE:
             raise ConfigError(
                 f"image: {what}, a text-to-video model that takes no image; drop --image, or use an image-to-video "
-                "checkpoint (Wan2.1 I2V, Wan2.2 I2V-A14B or Wan2.2 TI2V-5B)"
+                "checkpoint (Wan2.1 I2V, Wan2.2 I2V-A14B, Wan2.2 TI2V-5B or HunyuanVideo 1.5 I2V)"
             )
         if request.image is None and family.image == IMAGE_REQUIRED:
             raise ConfigError(
@@ -315,16 +299,14 @@ def probe_model(path: str | Path) -> ModelInfo:
             raise ConfigError(f"--model {path}: component folder '{comp}/' is missing")
     vae_cfg = _read_json(root / "vae" / "config.json", "VAE config")
     tr_cfgs = [_read_json(root / name / "config.json", f"{name} config") for name in family.transformers]
-    temporal = vae_cfg.get("temperal_downsample", [False, True, True])
-    scale_temporal = int(vae_cfg.get("scale_factor_temporal", 2 ** sum(bool(x) for x in temporal)))
-    scale_spatial = int(vae_cfg.get("scale_factor_spatial", 2 ** len(temporal)))
+    scale_spatial, scale_temporal = _vae_factors(vae_cfg)
     if family.image_encoder and tr_cfgs[0].get("pos_embed_seq_len"):
         raise ConfigError(
             f"--model {path}: a Wan2.1 FLF2V checkpoint (first and last frame: the transformer's pos_embed_seq_len is "
             f"set), which distvideo does not run yet; it runs {family.name} (one image)"
         )
-    patch = tuple(int(x) for x in tr_cfgs[0].get("patch_size", (1, 2, 2)))
-    defaults = _family_defaults(family, index)
+    patch = _patch_size(tr_cfgs[0])
+    defaults = _family_defaults(family, index, root)
     if (root / DEFAULTS_FILE).is_file():
         extra = _read_json(root / DEFAULTS_FILE, "defaults")
         unknown = set(extra) - set(defaults) - set(CACHE_DEFAULT_KEYS)
@@ -332,6 +314,8 @@ def probe_model(path: str | Path) -> ModelInfo:
             raise ConfigError(f"--model {path}: {DEFAULTS_FILE} has unknown keys {sorted(unknown)}")
         defaults.update(extra)
     noise_channels = vae_cfg.get("z_dim", 16) if family.image != IMAGE_NONE else tr_cfgs[0].get("in_channels", 16)
+    if "latent_channels" in vae_cfg:  # HunyuanVideo 1.5: the transformer also takes condition latents and a mask
+        noise_channels = vae_cfg["latent_channels"]
     return ModelInfo(
         path=root.resolve(),
         class_name=class_name,
@@ -349,10 +333,31 @@ def probe_model(path: str | Path) -> ModelInfo:
     )
 
 
-def _family_defaults(family: ModelFamily, index: dict[str, Any]) -> dict[str, Any]:
-    """The family's documented request defaults, with what the checkpoint itself says (its boundary_ratio)."""
+def _vae_factors(vae_cfg: dict[str, Any]) -> tuple[int, int]:
+    """(spatial, temporal) compression of a VAE config: Wan's keys, or HunyuanVideo 1.5's ``*_compression_ratio``."""
+    if "spatial_compression_ratio" in vae_cfg:
+        return int(vae_cfg["spatial_compression_ratio"]), int(vae_cfg.get("temporal_compression_ratio", 4))
+    temporal = vae_cfg.get("temperal_downsample", [False, True, True])
+    scale_temporal = int(vae_cfg.get("scale_factor_temporal", 2 ** sum(bool(x) for x in temporal)))
+    return int(vae_cfg.get("scale_factor_spatial", 2 ** len(temporal))), scale_temporal
+
+
+def _patch_size(tr_cfg: dict[str, Any]) -> tuple[int, int, int]:
+    """(frames, rows, columns) of a transformer's patch: Wan's triple, or an int with ``patch_size_t`` (HunyuanVideo)."""
+    patch = tr_cfg.get("patch_size", (1, 2, 2))
+    if isinstance(patch, int):
+        return int(tr_cfg.get("patch_size_t", 1)), patch, patch
+    p_t, p_h, p_w = (int(x) for x in patch)
+    return p_t, p_h, p_w
+
+
+def _family_defaults(family: ModelFamily, index: dict[str, Any], root: Path) -> dict[str, Any]:
+    """The family's documented request defaults, with what the checkpoint itself says (its boundary_ratio, the
+    guidance scale of its guider)."""
     defaults = dict(family.defaults)
     ratio = index.get("boundary_ratio")
     if family.experts == 2 and isinstance(ratio, (int, float)) and not isinstance(ratio, bool):
         defaults["boundary_ratio"] = float(ratio)
+    if "guider" in family.components:
+        defaults.update(guider_defaults(root, _read_json(root / "guider" / "guider_config.json", "guider config")))
     return defaults

@@ -195,7 +195,8 @@ class InputMemo:
 class TextProjectionMemo:
     """A ModulePlan: memoise the text embedder and every cross-attention's key and value projections of a
     WanTransformer3DModel (image-conditioned blocks excepted: their image and text tokens are re-concatenated per
-    forward)."""
+    forward). A transformer without Wan's text-only cross-attention (HunyuanVideo 1.5's joint attention, whose text
+    stream changes in every block) holds nothing to memoise and is left unchanged."""
 
     name = "text-projection-memo"
 
@@ -204,6 +205,8 @@ class TextProjectionMemo:
         self.component = component
 
     def apply(self, transformer: Any) -> Callable[[], None]:
+        if type(transformer).__name__ != "WanTransformer3DModel":
+            return lambda: None
         modules = [transformer.condition_embedder.text_embedder]
         for block in transformer.blocks:
             if block.attn2.add_k_proj is None:

@@ -55,6 +55,15 @@ class RingAttention:
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, seq_len: int) -> torch.Tensor:
         """(B, C, H, D) chunks of this rank (C = padded length / ring_size) -> the attention output (B, C, H, D) in
         the query's dtype; `seq_len`: the real tokens of the whole sequence (the padded keys are left out)."""
+        out, _ = self.partials(query, key, value, seq_len)
+        return out.to(query.dtype)
+
+    def partials(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, seq_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ring's attention of `query` (any number of queries) over every chunk's real keys, unnormalised for
+        merging: (output (B, S_q, H, D), LSE (B, S_q, H)), both float32 (HunyuanVideo's joint attention merges its
+        text keys in after)."""
         chunk_len = key.shape[1]
         kv = torch.stack([key, value]).contiguous()
         out: torch.Tensor | None = None
@@ -71,8 +80,8 @@ class RingAttention:
                     for request in pending:
                         request.wait()
                 kv = incoming
-        assert out is not None, "the first chunk always holds real keys"
-        return out.to(query.dtype)
+        assert out is not None and lse is not None, "the first chunk always holds real keys"
+        return out, lse
 
     def _pass_on(self, kv: torch.Tensor) -> tuple[list[Any], torch.Tensor]:
         """Post the send of `kv` to the next ring rank and the receive of the previous one's; returns the requests

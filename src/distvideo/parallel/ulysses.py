@@ -1,4 +1,7 @@
-"""Ulysses sequence parallelism for diffusers' WanTransformer3DModel, applied as a plan to the loaded module.
+"""Ulysses sequence parallelism for diffusers' WanTransformer3DModel, applied as a plan to the loaded module (and, by
+the declarations of `SEQUENCE_POINTS`, to HunyuanVideo15Transformer3DModel, whose joint attention is
+parallel/ulysses_joint.py's). What follows describes Wan's hook points; HunyuanVideo's are the same on its
+``transformer_blocks`` and ``attn``.
 
 The model file stays untouched (as torchtitan keeps `parallelize.py` apart from `model.py`); hooks and one attention
 processor change what flows through it:
@@ -161,6 +164,52 @@ class UlyssesAttnProcessor:
         return projected
 
 
+# --- which modules, per family ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SequencePoints:
+    """Where a transformer class takes the plan: its list of blocks, each block's self-attention and the processor
+    that replaces it, the sequence dimension of its rotary tables, whether ring attention serves it."""
+
+    blocks: str
+    attention: str
+    processor: Callable[[UlyssesPlan, Any], Any]
+    rope_seq_dim: int
+    ring: bool
+
+    @staticmethod
+    def patch_size(config: Any) -> tuple[int, int, int]:
+        patch = config.patch_size
+        if isinstance(patch, int):  # HunyuanVideo: patch_size and patch_size_t
+            return int(config.patch_size_t), patch, patch
+        p_t, p_h, p_w = (int(p) for p in patch)
+        return p_t, p_h, p_w
+
+
+def _joint_processor(plan: UlyssesPlan, backend: Any) -> Any:
+    from distvideo.parallel.ulysses_joint import JointUlyssesAttnProcessor
+
+    return JointUlyssesAttnProcessor(plan, backend)
+
+
+#: The declarations, by diffusers transformer class: Wan's attn1 (cross-attention stays local), HunyuanVideo 1.5's
+#: joint attention (text and video tokens together, parallel/ulysses_joint.py).
+SEQUENCE_POINTS: dict[str, SequencePoints] = {
+    "WanTransformer3DModel": SequencePoints("blocks", "attn1", lambda p, b: UlyssesAttnProcessor(p, b), 1, True),
+    "HunyuanVideo15Transformer3DModel": SequencePoints("transformer_blocks", "attn", _joint_processor, 0, True),
+}
+
+
+def sequence_points(transformer: Any) -> SequencePoints:
+    name = type(transformer).__name__
+    if name not in SEQUENCE_POINTS:
+        raise NotImplementedError(
+            f"sequence parallelism does not know {name}; it serves {', '.join(SEQUENCE_POINTS)}: run it with sp_size=1"
+        )
+    return SEQUENCE_POINTS[name]
+
+
 # --- the plan -------------------------------------------------------------------------------------------------------
 
 
@@ -208,6 +257,14 @@ class UlyssesPlan:
         self._handles: list[Any] = []
         self._processors: list[tuple[Any, Any]] = []
         self._patch_size: tuple[int, ...] = (1, 2, 2)
+        self._rope_dim = 1  # the sequence dimension of the rotary tables
+
+    @property
+    def ulysses_rank(self) -> int:
+        """This rank's place in the Ulysses group: the all-to-all gives it the heads ulysses_rank * H/ulysses on."""
+        if self.ring is None:
+            return self.sp_rank
+        return dist.get_rank(self.ulysses_group) if self.ulysses_size > 1 else 0
 
     @property
     def shard(self) -> SequenceShard:
@@ -217,22 +274,31 @@ class UlyssesPlan:
 
     # -- applying ------------------------------------------------------------------------------------------
     def apply(self, transformer: Any) -> Callable[[], None]:
+        points = sequence_points(transformer)
+        if self.ring is not None and not points.ring:
+            raise ValueError(
+                f"ring attention is not declared for {type(transformer).__name__} (SEQUENCE_POINTS); use Ulysses "
+                "alone (ring_size=1)"
+            )
         heads = int(transformer.config.num_attention_heads)
         if heads % self.ulysses_size:
             raise ValueError(f"ulysses_size({self.ulysses_size}) must divide the attention heads({heads})")
-        self._patch_size = tuple(int(p) for p in transformer.config.patch_size)
+        self._patch_size = points.patch_size(transformer.config)
+        self._rope_dim = points.rope_seq_dim
+        blocks = getattr(transformer, points.blocks)
         self._handles += [
             transformer.register_forward_pre_hook(self._on_model_input, with_kwargs=True),
             transformer.rope.register_forward_hook(self._on_rope_output),
-            transformer.blocks[0].register_forward_pre_hook(self._on_first_block_input, with_kwargs=True),
+            blocks[0].register_forward_pre_hook(self._on_first_block_input, with_kwargs=True),
             transformer.norm_out.register_forward_pre_hook(self._on_norm_out_input),
             transformer.proj_out.register_forward_hook(self._on_proj_out_output),
         ]
-        self._handles += [block.register_forward_pre_hook(self._on_block_input) for block in transformer.blocks]
-        for block in transformer.blocks:
-            original = block.attn1.processor
-            self._processors.append((block.attn1, original))
-            block.attn1.set_processor(UlyssesAttnProcessor(self, compat.attention_backend(original)))
+        self._handles += [block.register_forward_pre_hook(self._on_block_input) for block in blocks]
+        for block in blocks:
+            attn = getattr(block, points.attention)
+            original = attn.processor
+            self._processors.append((attn, original))
+            attn.set_processor(points.processor(self, compat.attention_backend(original)))
         return self.remove
 
     def remove(self) -> None:
@@ -253,7 +319,8 @@ class UlyssesPlan:
         self._shard = SequenceShard((f // p_t) * (h // p_h) * (w // p_w), self.sp_size, self.sp_rank)
 
     def _on_rope_output(self, module: Any, args: Any, output: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        return tuple(take_shard(freqs, 1, self.shard) for freqs in output)  # (1, S, 1, D) -> (1, S/sp, 1, D)
+        # Wan's (1, S, 1, D) -> (1, S/sp, 1, D); HunyuanVideo 1.5's (S, D) -> (S/sp, D)
+        return tuple(take_shard(freqs, self._rope_dim, self.shard) for freqs in output)
 
     def _on_first_block_input(
         self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]

@@ -1,4 +1,5 @@
-"""Exact parallel VAE decode for diffusers' AutoencoderKLWan: each rank decodes one band of rows.
+"""Exact parallel VAE decode for diffusers' AutoencoderKLWan (and, by parallel/vae_hunyuan15.py's declarations,
+AutoencoderKLHunyuanVideo15): each rank decodes one band of rows.
 
 Wan's decoder is local in rows almost everywhere: 3x3 spatial convolutions (causal in time, with a per-frame
 feature cache), per-pixel RMS norms over channels, SiLU, nearest upsampling (output row i comes from input row i//2)
@@ -36,6 +37,10 @@ logger = logging.getLogger(__name__)
 #: Fewest latent rows a band may have. Halo traffic per convolution is fixed (one row per side) while the work
 #: shrinks with the band, and below two rows every first-level convolution exchanges as many rows as it computes.
 MIN_BAND_ROWS = 2
+
+#: The VAE classes whose decoders the bands are proven exact for (HunyuanVideo 1.5's: parallel/vae_hunyuan15.py); any
+#: other VAE is decoded whole on the replica's first rank, as a decode of one band.
+BANDED_VAES = frozenset({"AutoencoderKLWan", "AutoencoderKLHunyuanVideo15"})
 
 # Decoder module classes (by name) known to be local in rows, or handled by this plan. Anything else in the decoder
 # stops the plan from applying: a new diffusers layer might mix rows, and a wrong frame is worse than a slow one.
@@ -121,6 +126,7 @@ class BandedVaeDecoder:
 
     component = "vae"
     name = "vae-band-decode"
+    row_halo = staticmethod(conv_row_halo)  # for the per-VAE declarations (parallel/vae_hunyuan15.py)
 
     def __init__(self, group_for: Callable[[int], Any], rank: int, world_size: int, min_rows: int = MIN_BAND_ROWS):
         self.group_for = group_for  # size -> group of the replica's ranks 0..size-1, None outside (prefix_group)
@@ -131,9 +137,20 @@ class BandedVaeDecoder:
         self.vae: Any = None
         self._band: _Band | None = None
         self._restore: list[Callable[[], None]] = []
+        self.banded = True  # False: a VAE outside BANDED_VAES, decoded whole on rank 0
 
     # -- applying ------------------------------------------------------------------------------------------
     def apply(self, vae: Any) -> Callable[[], None]:
+        if type(vae).__name__ not in BANDED_VAES:  # another family's VAE: decoded whole on the replica's first rank
+            logger.debug("%s: no exact banded decode yet; decoding on one rank", type(vae).__name__)
+            self.vae, self.banded = vae, False
+            return self.remove
+        if type(vae).__name__ == "AutoencoderKLHunyuanVideo15":
+            from distvideo.parallel.vae_hunyuan15 import apply_hunyuan15_bands
+
+            apply_hunyuan15_bands(self, vae)
+            self.vae = vae
+            return self.remove
         WanCausalConv3d, WanAttentionBlock = compat.wan_vae_classes()
         unknown = sorted({type(m).__name__ for m in vae.decoder.modules()} - _ROW_LOCAL_MODULES)
         if unknown:
@@ -316,7 +333,7 @@ class BandedVaeDecoder:
             raise RuntimeError("BandedVaeDecoder.decode before apply(vae)")
         latent_rows = latents.shape[-2]
         count = decode_band_count(latent_rows, self.world_size, self.min_rows)
-        if getattr(self.vae, "use_tiling", False):
+        if getattr(self.vae, "use_tiling", False) or not self.banded:
             count = 1  # diffusers' tiled decode blends overlapping tiles: not a banded computation
         if count == 1:
             logger.debug("latent height %d: decoding on rank 0 only", latent_rows)

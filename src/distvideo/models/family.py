@@ -1,0 +1,47 @@
+"""What a model family is: the checkpoints it answers to, the pipeline that runs it, what it loads, its request
+defaults and the traits the plans read (models/registry.py lists the families)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+IMAGE_NONE, IMAGE_OPTIONAL, IMAGE_REQUIRED = "none", "optional", "required"
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """One model family: which checkpoints it is (the `model_index.json` class and the traits read from it), which
+    pipeline runs it, what it loads and which request defaults it documents.
+
+    A checkpoint belongs to the family whose `class_names` hold its `_class_name` and whose traits equal the
+    checkpoint's: `experts` (2 when `transformer_2` is a component), `expand_timesteps` (per-token timesteps) and
+    `image_encoder` (a CLIP image encoder is a component)."""
+
+    name: str  # as messages say it, e.g. "Wan2.2 TI2V-5B"
+    class_names: tuple[str, ...]
+    pipeline: str  # key into distvideo.pipelines.PIPELINES
+    components: tuple[str, ...]
+    defaults: dict[str, Any]
+    description: str
+    image: str = IMAGE_NONE  # whether a request takes an image: "none" | "optional" | "required"
+    experts: int = 1
+    expand_timesteps: bool = False
+    image_encoder: bool = False
+    compact_text: bool = True  # whether the text-padding plan (Wan's text-only cross-attention) applies
+    size_from_image: bool = False  # an unset height and width follow the image's aspect-ratio bucket (HunyuanVideo)
+    step_cache: bool = True  # whether --cache serves it (pipelines/caching.py wraps single-stream Wan blocks)
+
+    @property
+    def takes_image(self) -> bool:
+        """Whether a request may bring a conditioning image."""
+        return self.image != IMAGE_NONE
+
+    @property
+    def transformers(self) -> tuple[str, ...]:
+        """The denoising transformers' component names, the high-noise expert first."""
+        return ("transformer", "transformer_2")[: self.experts]
+
+    @property
+    def traits(self) -> tuple[int, bool, bool]:
+        return self.experts, self.expand_timesteps, self.image_encoder

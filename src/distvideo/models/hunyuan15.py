@@ -1,0 +1,86 @@
+"""HunyuanVideo 1.5, declared: its registry entries (model_index.json classes, components, request defaults), the
+image-to-video size rule and what its checkpoint's guider may say. The pipeline is pipelines/hunyuan15.py; the shared machinery does the rest."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from distvideo.errors import ConfigError
+from distvideo.models.family import IMAGE_REQUIRED, ModelFamily
+
+# HunyuanVideo 1.5: diffusers' HunyuanVideo15Pipeline defaults (121 frames, 50 steps, the 16:9 bucket of the 480p
+# models' target size 640: 480 x 848), 24 fps as the model card's videos; the guidance scale is the checkpoint's guider
+# config (6.0 where it names none), read by probe_model.
+_COMPONENTS = (
+    "transformer",
+    "vae",
+    "text_encoder",
+    "tokenizer",
+    "scheduler",
+    "text_encoder_2",
+    "tokenizer_2",
+    "guider",
+)
+_DEFAULTS = {
+    "num_frames": 121,
+    "height": 480,
+    "width": 848,
+    "num_inference_steps": 50,
+    "guidance_scale": 6.0,
+    "fps": 24,
+}
+HUNYUAN15_T2V = ModelFamily(
+    name="HunyuanVideo 1.5 T2V",
+    class_names=("HunyuanVideo15Pipeline",),
+    pipeline="hunyuan15_t2v",
+    components=_COMPONENTS,
+    defaults=_DEFAULTS,
+    description="HunyuanVideo 1.5 text-to-video (Qwen2.5-VL and ByT5 text, dual-stream transformer, 16x VAE)",
+    compact_text=False,
+    step_cache=False,
+)
+# Image-to-video: as diffusers' HunyuanVideo15ImageToVideoPipeline, the size is the bucket of the image's aspect ratio
+# at the transformer's target size (480 x 848 stands for it until the image is read); a request may set its own.
+HUNYUAN15_I2V = ModelFamily(
+    name="HunyuanVideo 1.5 I2V",
+    class_names=("HunyuanVideo15ImageToVideoPipeline",),
+    pipeline="hunyuan15_i2v",
+    components=(*_COMPONENTS, "image_encoder", "feature_extractor"),
+    defaults=_DEFAULTS,
+    description="HunyuanVideo 1.5 image-to-video: SigLIP image tokens, first-frame latents with a mask",
+    image=IMAGE_REQUIRED,
+    image_encoder=True,
+    compact_text=False,
+    size_from_image=True,
+    step_cache=False,
+)
+
+
+def image_size_bucket(image_height: int, image_width: int, target_size: int) -> tuple[int, int]:
+    """(height, width) HunyuanVideo15ImageToVideoPipeline generates for an image of this size: the bucket (multiples of
+    16 around target_size^2 pixels) closest to its aspect ratio."""
+    from diffusers.pipelines.hunyuan_video1_5.image_processor import HunyuanVideo15ImageProcessor
+
+    processor = HunyuanVideo15ImageProcessor(vae_scale_factor=16)
+    height, width = processor.calculate_default_height_width(image_height, image_width, target_size)
+    return int(height), int(width)
+
+
+# The guider settings whose arithmetic the pipelines reproduce: uncond + scale * (cond - uncond) on every step.
+_GUIDER_EXACT = {"guidance_rescale": 0.0, "use_original_formulation": False, "start": 0.0, "stop": 1.0}
+
+
+def guider_defaults(root: Path, guider: dict[str, Any]) -> dict[str, Any]:
+    """The request defaults a checkpoint's ``guider/guider_config.json`` sets (its guidance scale); a guider setting
+    whose arithmetic the pipeline does not reproduce is refused (ConfigError) before any weight loads."""
+    for key, exact in _GUIDER_EXACT.items():
+        if guider.get(key, exact) != exact:
+            raise ConfigError(
+                f"--model {root}: its guider has {key}={guider[key]!r}, which distvideo does not run yet (it runs "
+                f"classifier-free guidance with {key}={exact!r}); set it so in guider/guider_config.json"
+            )
+    scale = guider.get("guidance_scale")
+    if isinstance(scale, (int, float)) and not isinstance(scale, bool):
+        return {"guidance_scale": float(scale)}
+    return {}
