@@ -14,9 +14,13 @@ import importlib
 #: (module, names): the classes the registered families' model_index.json files name, and what loading them pulls
 #: in (diffusers' LoRA loaders and hooks, PEFT, PyAV)
 LIBRARIES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    # Wan2.1 / Wan2.2 (models/registry.py)
     ("diffusers", ("WanTransformer3DModel", "AutoencoderKLWan", "UniPCMultistepScheduler")),
     ("diffusers", ("FlowMatchEulerDiscreteScheduler", "WanPipeline")),
     ("transformers", ("UMT5EncoderModel", "T5TokenizerFast", "CLIPVisionModel")),
+    # HunyuanVideo 1.5 (models/hunyuan15.py)
+    ("diffusers", ("HunyuanVideo15Transformer3DModel", "AutoencoderKLHunyuanVideo15", "ClassifierFreeGuidance")),
+    ("transformers", ("Qwen2_5_VLTextModel", "T5EncoderModel", "Qwen2Tokenizer", "ByT5Tokenizer", "SiglipVisionModel")),
     ("peft", ("LoraConfig",)),
     ("av", ("open",)),
 )
