@@ -17,6 +17,7 @@ from distvideo.errors import ConfigError
 EXECUTORS = ("auto", "inline", "mp", "external", "ray")
 DTYPES = ("float32", "bfloat16", "float16")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+SHARD_MODES = ("none", "transformer", "all")  # what FSDP2 shards over a replica's ranks (parallel/shard.py)
 OFFLOAD_MODES = ("none", "text", "model")  # what waits in host memory until its stage (pipelines/offload.py)
 
 
@@ -73,6 +74,12 @@ class EngineConfig:
     )
     ring_size: int | None = _option("ring-attention share of sp_size (default: sp_size / ulysses_size)")
     # -- end USP --
+    shard_weights: str = _option(
+        "FSDP2 over the ranks of a replica: none, transformer (the denoising transformers' blocks, each gathered just "
+        "before use), all (also the text encoders)",
+        "none",
+        choices=SHARD_MODES,
+    )
     replicas: int | None = _option(
         "data-parallel replicas for batch jobs: world = replicas x cfg x sp (default 1, or derived from fixed cfg/sp)"
     )
@@ -134,6 +141,19 @@ class EngineConfig:
             dist_timeout=float(envs.get("DISTVIDEO_DIST_TIMEOUT") if self.dist_timeout is None else self.dist_timeout),
         )
 
+    def _validate_sharding(self) -> None:
+        """What sharded weights do not combine with yet, refused before anything loads."""
+        if self.shard_weights == "none":
+            return
+        conflicts = [
+            (bool(self.compile), "compile", "regional compilation of FSDP-wrapped blocks is not tested yet"),
+            (self.offload not in (None, "none"), "offload", "offload moves whole components, a shard stays put"),
+            (bool(self.lora), "lora", "LoRA merges into whole weights; a rank holds a shard of each"),
+        ]
+        for present, name, why in conflicts:
+            if present:
+                raise ConfigError(f"shard_weights={self.shard_weights!r} with {name}: not supported together ({why})")
+
     def validate(self) -> None:
         for f in dataclasses.fields(self):  # executor, dtype, offload, log_level (in any case)
             value, choices = getattr(self, f.name), f.metadata.get("choices")
@@ -151,6 +171,7 @@ class EngineConfig:
         if self.replicas is not None and self.replicas < 1:
             raise ConfigError(f"replicas={self.replicas} must be >= 1")
         self._validate_usp()
+        self._validate_sharding()
         if self.dist_timeout is not None and not (self.dist_timeout > 0 and math.isfinite(self.dist_timeout)):
             raise ConfigError(f"dist_timeout={self.dist_timeout} must be a positive, finite number of seconds")
         if self.ray_address is not None:

@@ -32,6 +32,7 @@ from distvideo.models.memory import USABLE_FRACTION, estimate_request, fitting_s
 from distvideo.models.plans import AppliedPlans, apply_plans, speed_plans
 from distvideo.outputs import ItemOutcome, WorkerOutput
 from distvideo.parallel.collectives import collective
+from distvideo.parallel.shard import gathered_bytes
 from distvideo.parallel.vae import decode_band_count
 from distvideo.pipelines.control import StepControl
 from distvideo.pipelines.wan import record_per_step_denoising
@@ -107,6 +108,7 @@ class Worker:
         self.parallel: ParallelContext | None = None  # when world_size > 1
         self.lora: dict[str, LoraState] = {}  # this rank's adapters per transformer (distvideo.lora.rank)
         self._undo_plans: AppliedPlans | None = None  # calling it removes the plans load_model applied
+        self._gathered_bytes = 0  # under sharded weights: full parameters held while the transformer runs
 
     @property
     def is_output_rank(self) -> bool:
@@ -175,7 +177,10 @@ class Worker:
             *(self.parallel.plans(transformers) if self.parallel is not None else []),
             *speed_plans(self.config, model, sp_size=self.engine.layout.sp_size),
         ]
+        if self.parallel is not None:  # last: FSDP wraps the blocks as the other plans left them
+            plans += self.parallel.shard_plans(self.config.shard_weights, components, transformers)
         self._undo_plans = apply_plans(components, plans)
+        self._gathered_bytes = max(gathered_bytes(components[name]) for name in transformers)
         pipeline_cls = PIPELINES[model.family.pipeline]
         self.pipeline = pipeline_cls(
             components,
@@ -320,6 +325,7 @@ class Worker:
             decode_bands=bands,
             dtype_bytes=torch.empty((), dtype=dtype).element_size(),
             offloaded=self.pipeline.offload.device_bytes_per_visit(),
+            gathered=self._gathered_bytes,
         )
         sharing = (self.rank_info.local_world_size or 1) if self.device.type == "cpu" else 1
         limit = int(USABLE_FRACTION * available_memory_bytes(self.device))

@@ -55,6 +55,12 @@ def prepare_adapter(
 ) -> dict[str, Any]:
     """Phase 1: load and check the adapter against `target` (or find the cached one); no weight changes. Returns its
     description (with the file's sha256, so the caller can check every rank loaded the same bytes)."""
+    sharded = getattr(worker.config, "shard_weights", "none")
+    if sharded != "none":  # before anything is read: every rank refuses alike
+        raise LoraError(
+            f"LoRA with shard_weights={sharded!r} is not supported yet: an adapter merges into whole weights, and each "
+            "rank holds a shard of them (load the engine with shard_weights='none' to use adapters)"
+        )
     state = lora_state(worker, target)
     for other in lora_states(worker).values():
         other.abort()

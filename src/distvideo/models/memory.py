@@ -13,7 +13,9 @@ With offload (the `offload` engine option, pipelines/offload.py) the text encode
 memory between requests, so the memory available when the request is checked does not hold them: the stage that
 uses one brings its weights back onto the device, and the estimate adds them to that stage (the VAE's to the
 decode, an encoder's to its own stage, where the activations are small beside its weights). On the CPU nothing
-moves and nothing is added.
+moves and nothing is added. With sharded weights (`--shard-weights`) a rank holds a share of each block between
+steps, and while the transformer runs also the full parameters of two blocks (the running one and the prefetched
+next) and of the layers outside the blocks: the estimate adds those to the transformer's stage.
 """
 
 from __future__ import annotations
@@ -74,11 +76,13 @@ def estimate_request(
     output_rank: bool = True,
     dtype_bytes: int = 4,
     offloaded: Mapping[str, int] | None = None,
+    gathered: int = 0,
 ) -> MemoryEstimate:
     """The activations of `request` on one rank: its share of the tokens under sequence parallelism, its band of rows
     under the banded decode, the video only on the output rank. `dtype_bytes`: the transformer's dtype. `offloaded`:
     the weight bytes each offloaded component brings onto the device for its stage (ComponentOffload's
-    `device_bytes_per_visit`: "text_encoder", "image_encoder", "vae")."""
+    `device_bytes_per_visit`: "text_encoder", "image_encoder", "vae"). `gathered`: under sharded weights, the bytes
+    of full parameters a rank holds at once while the transformer runs (parallel/shard.py `gathered_bytes`)."""
     assert request.num_frames is not None and request.height is not None and request.width is not None
     _, _, frames, rows, cols = model.latent_shape(request)
     p_t, p_h, p_w = model.patch_size
@@ -93,7 +97,7 @@ def estimate_request(
     video = VIDEO_BYTES_PER_PIXEL_FRAME * request.num_frames * pixels if output_rank else 0
     weights = offloaded or {}
     return MemoryEstimate(
-        transformer_bytes=transformer,
+        transformer_bytes=transformer + gathered,
         decode_bytes=decode,
         video_bytes=video,
         vae_weight_bytes=weights.get("vae", 0),

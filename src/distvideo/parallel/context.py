@@ -8,6 +8,7 @@ import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from typing import Any
 
 import torch
 
@@ -64,6 +65,18 @@ class ParallelContext:
                 plans += [ulysses, TextProjectionMemo(self.counts, component=name)]
         plans.append(self.vae_decoder)
         return plans
+
+    def shard_plans(self, mode: str, components: dict[str, Any], transformers: Sequence[str]) -> list[ModulePlan]:
+        """`--shard-weights mode` over the ranks of this rank's replica (parallel/shard.py); none for replicas of one
+        rank, which have nothing to share."""
+        from distvideo.parallel.shard import shard_plans
+
+        mesh = self.groups.replica_device_mesh()
+        if mesh is None:
+            if mode != "none":
+                logger.info("--shard-weights %s: every replica is one rank, nothing to shard", mode)
+            return []
+        return shard_plans(mode, components, transformers, mesh)
 
     def _sequence_plan(self, component: str, first: UlyssesPlan | None = None) -> UlyssesPlan:
         """The sequence-parallel plan of one transformer: Ulysses over ``sp``, or USP (Ulysses over ``ulysses``,

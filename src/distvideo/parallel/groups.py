@@ -117,6 +117,13 @@ class ParallelGroups:
     usp_mesh: DeviceMesh | None = None  # dims replica x cfg x ring x ulysses, when both ring and ulysses are > 1
     _prefix_groups: dict[int, Any] = field(default_factory=dict)
 
+    def replica_device_mesh(self) -> DeviceMesh | None:
+        """The 1-D device mesh of this rank's replica (its ranks run a request together), None for one rank."""
+        dim = replica_dim(self.layout)
+        if dim is None or self.replica_mesh is None:
+            return None
+        return self.replica_mesh[dim]
+
     @classmethod
     def create(
         cls, layout: ParallelLayout, *, device_type: str = "cpu", timeout: timedelta | None = None
