@@ -72,6 +72,12 @@ def test_registry_entry_and_defaults(checkpoint: Path, tmp_path: Path) -> None:
     (view / "guider").mkdir()
     (view / "guider" / "guider_config.json").write_text(json.dumps({**config, "guidance_scale": 7.5}))
     assert probe_model(view).defaults["guidance_scale"] == 7.5
+    # the default size is diffusers' 16:9 bucket of the transformer's target size (the 720p models': 960)
+    (view / "transformer").unlink()
+    (view / "transformer").mkdir()
+    tr_config = json.loads((checkpoint / "transformer" / "config.json").read_text())
+    (view / "transformer" / "config.json").write_text(json.dumps({**tr_config, "target_size": 960}))
+    assert (probe_model(view).defaults["height"], probe_model(view).defaults["width"]) == (720, 1280)
     (view / "guider" / "guider_config.json").write_text(json.dumps({**config, "guidance_rescale": 0.7}))
     with pytest.raises(ConfigError, match=r"guidance_rescale=0\.7"):
         probe_model(view)

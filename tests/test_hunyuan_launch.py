@@ -1,12 +1,13 @@
 """HunyuanVideo 1.5 under torchrun (2 CPU ranks, gloo, the external executor): Ulysses (sp=2) and CFG parallelism
 (cfg=2), text- and image-to-video, reproduce the inline frames within 2, with the frames on rank 0 only, the declared
 collectives, and the image condition computed on rank 0 and bit-identical on both ranks; the banded decode of the
-HunyuanVideo 1.5 VAE equals a single-rank decode. One launch runs every engine
-(tests/parallel_scripts/family_cases.py, shared with the Wan families)."""
+HunyuanVideo 1.5 VAE equals a single-rank decode. One launch runs every engine (tests/parallel_scripts/family_cases.py,
+shared with the Wan families); srun and mpirun run two of them (both tasks, both kinds of parallelism)."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -53,9 +54,7 @@ def _kwargs(checkpoints: dict[str, Any], kind: str, request: dict[str, Any]) -> 
     return {**request, **({"image": str(checkpoints["image"])} if kind == "i2v" else {})}
 
 
-@pytest.fixture(scope="module")
-def launch(tmp_path_factory: pytest.TempPathFactory, checkpoints: dict[str, Any]) -> dict[str, Any]:
-    tmp = tmp_path_factory.mktemp("hv15-torchrun")
+def _run(launcher: str, tmp: Path, checkpoints: dict[str, Any], engines: list[tuple]) -> dict[str, Any]:
     cases = [
         {
             "name": name,
@@ -63,14 +62,19 @@ def launch(tmp_path_factory: pytest.TempPathFactory, checkpoints: dict[str, Any]
             "sp_size": sp,
             "cfg_parallel": cfg,
             "requests": [{"name": "r", "kwargs": _kwargs(checkpoints, kind, request)}],
-            "decode_checks": DECODE_CHECKS if name == "t2v-sp2" else [],
+            "decode_checks": DECODE_CHECKS if name == "t2v-sp2" and launcher == "torchrun" else [],
         }
-        for name, kind, sp, cfg, request in ENGINES
+        for name, kind, sp, cfg, request in engines
     ]
     (tmp / "cases.json").write_text(json.dumps(cases))
-    proc = run_launcher("torchrun", [str(SCRIPT), str(tmp / "cases.json"), str(tmp)], nproc=2, timeout=600)
+    proc = run_launcher(launcher, [str(SCRIPT), str(tmp / "cases.json"), str(tmp)], nproc=2, timeout=600)
     assert proc.returncode == 0, format_output(proc)
     return {"dir": tmp, "report": json.loads((tmp / "report.json").read_text())}
+
+
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory: pytest.TempPathFactory, checkpoints: dict[str, Any]) -> dict[str, Any]:
+    return _run("torchrun", tmp_path_factory.mktemp("hv15-torchrun"), checkpoints, ENGINES)
 
 
 @pytest.fixture(scope="module")
@@ -109,3 +113,17 @@ def test_banded_decode_of_the_hunyuan_vae_is_exact(launch) -> None:
         assert diffs[0] is not None and diffs[0] <= 1e-4, f"{shape}: banded vs single {diffs[0]}"
     counts = [rank["vae"] for rank in launch["report"]["t2v-sp2-r"]["ranks"]]  # the request's own decode: 2 bands
     assert all(c.get("halo_exchange", 0) > 0 and c.get("gather") == 1 for c in counts), counts
+
+
+@pytest.mark.parametrize(
+    "launcher", [pytest.param("srun", marks=pytest.mark.slurm), pytest.param("mpirun", marks=pytest.mark.mpi)]
+)
+def test_srun_and_mpirun_match_inline(tmp_path, checkpoints, inline, launcher) -> None:
+    """The same program under Slurm's srun and Open MPI's mpirun: Ulysses on text-to-video, CFG parallelism on
+    image-to-video, one launch each."""
+    engines = [e for e in ENGINES if e[0] in ("t2v-sp2", "i2v-cfg2")]
+    run = _run(launcher, tmp_path, checkpoints, engines)
+    for name, kind, *_ in engines:
+        frames = np.load(run["dir"] / f"{name}-r.npy")
+        assert int(np.abs(frames.astype(np.int16) - inline[kind].astype(np.int16)).max()) <= 2, (launcher, name)
+        assert run["report"][f"{name}-r"]["has_frames"] == [True, False]

@@ -9,9 +9,9 @@ from typing import Any
 from distvideo.errors import ConfigError
 from distvideo.models.family import IMAGE_REQUIRED, ModelFamily
 
-# HunyuanVideo 1.5: diffusers' HunyuanVideo15Pipeline defaults (121 frames, 50 steps, the 16:9 bucket of the 480p
-# models' target size 640: 480 x 848), 24 fps as the model card's videos; the guidance scale is the checkpoint's guider
-# config (6.0 where it names none), read by probe_model.
+# HunyuanVideo 1.5: diffusers' HunyuanVideo15Pipeline defaults (121 frames, 50 steps, the 16:9 bucket of the
+# transformer's target size: 480 x 848 for the 480p models' 640, 720 x 1280 for 960; probe_model reads it), 24 fps as
+# the model card's videos; the guidance scale is the checkpoint's guider config (6.0 where it names none).
 _COMPONENTS = (
     "transformer",
     "vae",

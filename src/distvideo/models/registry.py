@@ -306,7 +306,7 @@ def probe_model(path: str | Path) -> ModelInfo:
             f"set), which distvideo does not run yet; it runs {family.name} (one image)"
         )
     patch = _patch_size(tr_cfgs[0])
-    defaults = _family_defaults(family, index, root)
+    defaults = _family_defaults(family, index, root, tr_cfgs[0])
     if (root / DEFAULTS_FILE).is_file():
         extra = _read_json(root / DEFAULTS_FILE, "defaults")
         unknown = set(extra) - set(defaults) - set(CACHE_DEFAULT_KEYS)
@@ -351,13 +351,17 @@ def _patch_size(tr_cfg: dict[str, Any]) -> tuple[int, int, int]:
     return p_t, p_h, p_w
 
 
-def _family_defaults(family: ModelFamily, index: dict[str, Any], root: Path) -> dict[str, Any]:
+def _family_defaults(
+    family: ModelFamily, index: dict[str, Any], root: Path, transformer: dict[str, Any]
+) -> dict[str, Any]:
     """The family's documented request defaults, with what the checkpoint itself says (its boundary_ratio, the
-    guidance scale of its guider)."""
+    guidance scale of its guider, HunyuanVideo's size for its target size)."""
     defaults = dict(family.defaults)
     ratio = index.get("boundary_ratio")
     if family.experts == 2 and isinstance(ratio, (int, float)) and not isinstance(ratio, bool):
         defaults["boundary_ratio"] = float(ratio)
     if "guider" in family.components:
         defaults.update(guider_defaults(root, _read_json(root / "guider" / "guider_config.json", "guider config")))
+    if "target_size" in transformer:  # HunyuanVideo: diffusers' 16:9 bucket of it (480 x 848 at 640, 720p at 960)
+        defaults["height"], defaults["width"] = image_size_bucket(9, 16, int(transformer["target_size"]))
     return defaults
