@@ -40,10 +40,12 @@ __all__ = [
     "BENCHMARK_CHECKPOINT_CONFIG",
     "EMBEDDED_DEFAULTS",
     "EMBEDDED_MODEL_CONFIG",
+    "SHARDING_CHECKPOINT_CONFIG",
     "TEST_CHECKPOINT_CONFIG",
     "WAN21_T2V_1_3B_CONFIG",
     "build_benchmark_checkpoint",
     "build_embedded_model",
+    "build_sharding_checkpoint",
     "build_test_checkpoint",
     "build_tiny_tokenizer",
     "build_tiny_wan",
@@ -97,6 +99,25 @@ BENCHMARK_CHECKPOINT_CONFIG: dict[str, Any] = {
     "scheduler": "unipc",
     "seed": 2,
     "defaults": {"num_frames": 17, "height": 128, "width": 128, "num_inference_steps": 8, "guidance_scale": 5.0},
+}
+
+#: :func:`build_sharding_checkpoint`: a checkpoint whose weights dominate a rank's memory (issue 33's sharding
+#: figures): an 8-layer, 1024-wide transformer (16 heads x 64, ffn 4096) and a 1024-wide, 4-layer text encoder, with a
+#: small VAE; about 150 M transformer and 30 M text-encoder parameters (0.7 GB in float32).
+SHARDING_CHECKPOINT_CONFIG: dict[str, Any] = {
+    "num_layers": 8,
+    "num_attention_heads": 16,
+    "attention_head_dim": 64,
+    "ffn_dim": 4096,
+    "text_dim": 1024,
+    "text_num_layers": 4,
+    "text_num_heads": 16,
+    "text_d_kv": 64,
+    "text_d_ff": 2048,
+    "vae_base_dim": 8,
+    "scheduler": "unipc",
+    "seed": 3,
+    "defaults": {"num_frames": 9, "height": 64, "width": 64, "num_inference_steps": 4, "guidance_scale": 5.0},
 }
 
 #: :func:`build_wan21_1_3b_checkpoint`: the transformer and VAE of ``Wan-AI/Wan2.1-T2V-1.3B-Diffusers`` (30 layers,
@@ -266,6 +287,11 @@ def build_test_checkpoint(out_dir: str | Path, **overrides: Any) -> Path:
 def build_benchmark_checkpoint(out_dir: str | Path, **overrides: Any) -> Path:
     """A 256-wide (4 heads x 64), 4-layer checkpoint for benchmarks; overrides :data:`BENCHMARK_CHECKPOINT_CONFIG`."""
     return build_tiny_wan(out_dir, **{**BENCHMARK_CHECKPOINT_CONFIG, **overrides})
+
+
+def build_sharding_checkpoint(out_dir: str | Path, **overrides: Any) -> Path:
+    """A checkpoint whose weights dominate (:data:`SHARDING_CHECKPOINT_CONFIG`), for the sharded-weights figures."""
+    return build_tiny_wan(out_dir, **{**SHARDING_CHECKPOINT_CONFIG, **overrides})
 
 
 def build_wan21_1_3b_checkpoint(out_dir: str | Path, **overrides: Any) -> Path:
