@@ -22,7 +22,7 @@ typecheck: setup
 	$(VENV)/bin/mypy $(SRC)
 
 pytest: setup system-deps
-	$(PY) -m pytest -q --durations=15 tests
+	$(PY) -m pytest -q --durations=40 tests
 
 test: setup system-deps lint typecheck pytest
 
