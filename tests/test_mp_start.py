@@ -27,6 +27,7 @@ def state_of(worker):
     parent = psutil.Process(os.getpid()).parent()
     return {
         "mark": os.environ.get("DISTVIDEO_TEST_MARK"),
+        "threads": __import__("torch").get_num_threads(),
         "cwd": os.getcwd(),
         "parent": parent.pid,
         "parent_cmdline": " ".join(parent.cmdline()),
@@ -45,6 +46,7 @@ def test_forked_workers_take_the_drivers_state_of_the_moment(tmp_path: Path, mon
         assert [s["mark"] for s in first.collective_rpc(state_of)] == [None, None]
 
     monkeypatch.setenv("DISTVIDEO_TEST_MARK", "set after the fork server started")
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's thread count, which the fork server did not read
     monkeypatch.chdir(tmp_path)
     saved = [os.dup(1), os.dup(2)]
     out, err = tmp_path / "stdout", tmp_path / "stderr"
@@ -63,6 +65,7 @@ def test_forked_workers_take_the_drivers_state_of_the_moment(tmp_path: Path, mon
 
     assert [s["mark"] for s in states] == ["set after the fork server started"] * 2
     assert [s["cwd"] for s in states] == [str(tmp_path)] * 2
+    assert [s["threads"] for s in states] == [3, 3]
     # forked from the fork server (a child of this process), not spawned by this process
     assert {s["parent"] for s in states} != {os.getpid()}
     assert all("multiprocessing.forkserver" in s["parent_cmdline"] for s in states), states

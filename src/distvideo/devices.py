@@ -22,7 +22,10 @@ def default_num_threads(local_world_size: int | None) -> int | None:
         return int(explicit)
     omp = envs.get("OMP_NUM_THREADS")
     if omp and not (omp == "1" and envs.is_set("TORCHELASTIC_RUN_ID")):
-        return None  # the user's setting; torch already honours it
+        # the user's setting, applied explicitly: a worker forked from the mp executor's fork server has the OpenMP
+        # runtime the fork server started (it read OMP_NUM_THREADS then), not one that read the driver's value
+        first = omp.split(",")[0].strip()  # a nested setting ("4,2"): the outer level
+        return int(first) if first.isdigit() and int(first) > 0 else None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores // max(1, local_world_size or 1))
 
