@@ -28,6 +28,7 @@ def state_of(worker):
     return {
         "mark": os.environ.get("DISTVIDEO_TEST_MARK"),
         "threads": __import__("torch").get_num_threads(),
+        "umask": os.umask(0o022),
         "cwd": os.getcwd(),
         "parent": parent.pid,
         "parent_cmdline": " ".join(parent.cmdline()),
@@ -48,6 +49,7 @@ def test_forked_workers_take_the_drivers_state_of_the_moment(tmp_path: Path, mon
     monkeypatch.setenv("DISTVIDEO_TEST_MARK", "set after the fork server started")
     monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's thread count, which the fork server did not read
     monkeypatch.chdir(tmp_path)
+    old_umask = os.umask(0o027)  # a umask other than the fork server's
     saved = [os.dup(1), os.dup(2)]
     out, err = tmp_path / "stdout", tmp_path / "stderr"
     try:
@@ -59,6 +61,7 @@ def test_forked_workers_take_the_drivers_state_of_the_moment(tmp_path: Path, mon
             states = second.collective_rpc(state_of)
             second.collective_rpc(write_line, ("hello",))
     finally:
+        os.umask(old_umask)
         for fd, copy in zip((1, 2), saved, strict=True):
             os.dup2(copy, fd)
             os.close(copy)
@@ -66,6 +69,7 @@ def test_forked_workers_take_the_drivers_state_of_the_moment(tmp_path: Path, mon
     assert [s["mark"] for s in states] == ["set after the fork server started"] * 2
     assert [s["cwd"] for s in states] == [str(tmp_path)] * 2
     assert [s["threads"] for s in states] == [3, 3]
+    assert [s["umask"] for s in states] == [0o027, 0o027]
     # forked from the fork server (a child of this process), not spawned by this process
     assert {s["parent"] for s in states} != {os.getpid()}
     assert all("multiprocessing.forkserver" in s["parent_cmdline"] for s in states), states

@@ -11,8 +11,8 @@ is only imported modules.
 What a spawned process would have taken from the driver at the moment it started, a forked one takes from the fork
 server as it was when *it* started. multiprocessing itself sends the working directory, `sys.path` and the main
 module with each new process; the rest of the driver's present state is carried here and applied first thing in the
-worker: its environment (`DriverState`; distvideo reads its variables lazily, at use), and its standard output and
-error descriptors (a log redirected since, pytest's per-test capture), passed over the worker's pipe with SCM_RIGHTS
+worker: its environment (`DriverState`; distvideo reads its variables lazily, at use), umask and CPU affinity, and its
+standard output and error descriptors (a log redirected since, pytest's per-test capture), passed over the worker's pipe with SCM_RIGHTS
 (`socket.send_fds`).
 
 `DISTVIDEO_MP_START=spawn` goes back to spawning (a platform without a fork server uses it anyway).
@@ -44,15 +44,31 @@ def context() -> Any:  # multiprocessing's context type is not public
     return ctx
 
 
+def _umask() -> int:
+    mask = os.umask(0o077)  # reading the umask means setting it: put it back at once
+    os.umask(mask)
+    return mask
+
+
+def _affinity() -> frozenset[int] | None:
+    return frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+
+
 @dataclass(frozen=True)
 class DriverState:
     """What a worker takes from its driver at the moment it is started, beyond what multiprocessing carries itself
-    (the working directory, `sys.path` and the main module): the environment."""
+    (the working directory, `sys.path` and the main module): the environment, the umask (the modes of the files it
+    writes) and the CPUs it may run on (its thread count follows them)."""
 
     environ: dict[str, str] = field(default_factory=envs.whole_environment)
+    umask: int = field(default_factory=_umask)
+    cpus: frozenset[int] | None = field(default_factory=_affinity)
 
     def apply(self) -> None:
         envs.replace_environment(self.environ)
+        os.umask(self.umask)
+        if self.cpus is not None and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, self.cpus)
 
 
 def send_stdio(conn: Connection) -> None:
