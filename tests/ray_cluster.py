@@ -10,6 +10,7 @@ modules as spawned mp workers do: the tests folder is on their path (the job's r
 from __future__ import annotations
 
 import ipaddress
+import signal
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -28,12 +29,16 @@ def session_cluster():
     from distvideo.executors.ray_placement import start_local_cluster
 
     if _CLUSTER["users"] == 0:
+        # ray.init installs its own SIGTERM handler in the driver; a test that asks for the cluster mid-call (through
+        # getfixturevalue) must still leave the signal state as it found it (conftest's hygiene check)
+        sigterm = signal.getsignal(signal.SIGTERM)
         context = start_local_cluster(
             num_cpus=4,
             include_dashboard=False,
             logging_level="WARNING",
             runtime_env={"env_vars": {"PYTHONPATH": str(TESTS)}},
         )
+        signal.signal(signal.SIGTERM, sigterm)
         _CLUSTER["address"] = context.address_info["gcs_address"]
     _CLUSTER["users"] = int(_CLUSTER["users"]) + 1  # type: ignore[call-overload]
     yield _CLUSTER["address"]

@@ -37,31 +37,30 @@ def connect(address: str | None) -> bool:
                 f"ray_address={address!r}: no Ray cluster answers there within {CONNECT_TIMEOUT_S:g} s ({exc}); "
                 "give the head node's GCS address (ray start --head prints it) or 'auto'"
             ) from None
-        ray.init(address=address, **options)
-        return True
-    if address == "auto":
-        try:
-            ray.init(address="auto", **options)
-        except ConnectionError:
-            raise ConfigError("ray_address='auto': no running Ray cluster found on this machine") from None
-        return True
-    running = _recorded_cluster()
-    if running is not None:
-        ray.init(address=running, **options)
-    else:
+    try:
+        running = _running_cluster(address)
+    except ConnectionError:
+        raise ConfigError("ray_address='auto': no running Ray cluster found on this machine") from None
+    if running is None:
         logger.info("no running Ray cluster: starting a local one on %s", LOOPBACK)
         start_local_cluster(**options)
+        return True
+    loopback = running.rpartition(":")[0] in (LOOPBACK, "localhost", "::1", "[::1]")
+    with _loopback_node_address() if loopback else contextlib.nullcontext():  # a cluster on loopback stays there
+        ray.init(address=running, **options)
     return True
 
 
-def _recorded_cluster() -> str | None:
-    """The cluster `ray.init()` would join: RAY_ADDRESS, else the one `ray start` recorded on this machine; None when
-    there is neither. Not 'auto', which also joins any GCS process it finds on the machine (another user's cluster,
-    another test session's)."""
-    from ray._private import services  # private: Ray's own resolution of ray.init(address=None), without starting
+def _running_cluster(address: str | None) -> str | None:
+    """The GCS address `ray.init(address)` would join, or None where it would start a cluster (`address` None, and
+    neither RAY_ADDRESS nor a cluster `ray start` recorded). 'auto' also finds a cluster by its GCS process, and
+    raises ConnectionError where there is none. Resolved in single-machine mode, so that a cluster on 127.0.0.1 keeps
+    that address (Ray would otherwise turn it into the host's reachable one, where such a cluster does not listen)."""
+    from ray._private import services  # private: Ray's own resolution of ray.init's address, without connecting
 
-    address: str | None = services.canonicalize_bootstrap_address(None)  # type: ignore[arg-type]
-    return address
+    with _loopback_node_address():
+        running: str | None = services.canonicalize_bootstrap_address(address)  # type: ignore[arg-type]
+    return running
 
 
 @contextlib.contextmanager
