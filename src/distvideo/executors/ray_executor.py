@@ -239,7 +239,11 @@ class RayExecutor(Executor):
             try:
                 if self._closed or self._dead is not None:
                     return
-                dead = self._probe()
+                try:
+                    dead = self._probe()
+                except Exception as exc:  # Ray going away under a shutdown, or a probe it could not run: no death
+                    logger.debug("ray monitor: probe failed: %s", exc)
+                    continue
                 if dead is not None and not self._stopping.is_set():  # not a kill of shutdown's
                     self._idle_death(*dead)
                     return
