@@ -13,6 +13,7 @@ import pytest
 from distvideo import GenerationCancelled, GenerationTimeout, VideoGenerator
 from distvideo.cli.main import main
 from distvideo.pipelines.control import StepControl
+from ray_cluster import session_cluster  # noqa: F401 (the fixture ray_cluster)
 
 from conftest import REPO
 from launchers import format_output, run_launcher
@@ -34,12 +35,14 @@ def test_step_control_reports_then_stops_for_the_reason_given():
     StepControl(timeout=3600, cancelled=lambda: False).after_step(4, 4)  # neither: goes on
 
 
-# --- inline and mp -----------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module", params=["inline", "mp"])
+# --- inline, mp and ray (the session's local cluster, tests/ray_cluster.py) -------------------------------------------
+@pytest.fixture(scope="module", params=["inline", "mp", pytest.param("ray", marks=pytest.mark.slow)])
 def gen(request):
     kwargs = {"executor": request.param}
-    if request.param == "mp":
+    if request.param in ("mp", "ray"):
         kwargs["num_gpus"] = 2
+    if request.param == "ray":
+        request.getfixturevalue("ray_cluster")
     with VideoGenerator.from_pretrained(**kwargs) as generator:
         yield generator
 

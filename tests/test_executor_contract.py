@@ -1,4 +1,5 @@
-"""One contract for every executor: inline (1 rank), mp (2 spawned ranks), external (2 ranks under torchrun).
+"""One contract for every executor: inline (1 rank), mp (2 spawned ranks), external (2 ranks under torchrun), ray (2
+actors on the session's local Ray cluster, tests/ray_cluster.py).
 
 Rank-ordered collective_rpc results; the same RuntimeError text for a failure planted on one rank; the
 executor usable after a failure; the same frames, bit for bit, for the same layout on mp and external (and one
@@ -16,13 +17,14 @@ import numpy as np
 import pytest
 
 from distvideo import VideoGenerator
+from ray_cluster import leftovers, session_cluster  # noqa: F401 (the fixture ray_cluster)
 
 from conftest import REPO, max_abs_diff
 from contract_checks import PROMPT, REQUEST, expected_failure_text, observe, thread_ids
 from launchers import format_output, run_launcher
 from processes import wait_gone
 
-WORLD = {"inline": 1, "mp": 2, "external": 2}
+WORLD = {"inline": 1, "mp": 2, "external": 2, "ray": 2}
 
 
 @pytest.fixture(scope="module")
@@ -47,13 +49,15 @@ def run_external(tmp_path, world: int):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(request, tmp_path_factory):
     """executor -> (observations per rank, output frames), each run on first request."""
     cache: dict[str, tuple[list[dict], np.ndarray]] = {}
 
     def get(executor: str):
         if executor not in cache:
             world = WORLD[executor]
+            if executor == "ray":
+                request.getfixturevalue("ray_cluster")  # started before the threads are counted: Ray's own
             if executor == "external":
                 cache[executor] = run_external(tmp_path_factory.mktemp("external"), world)
             else:
@@ -67,6 +71,7 @@ CASES = [
     pytest.param("inline", id="inline"),
     pytest.param("mp", id="mp-2"),
     pytest.param("external", id="external-torchrun-2", marks=pytest.mark.launcher),
+    pytest.param("ray", id="ray-2", marks=pytest.mark.slow),
 ]
 
 
@@ -97,10 +102,18 @@ def test_executor_contract(executor, runs, reference_frames):
     # why cfg=2 is not bit for bit against one rank)
     assert frames is not None and frames.std() > 1.0
     assert max_abs_diff(frames, reference_frames) <= 2
-    if executor == "mp":  # the spawned workers are gone after shutdown
+    if executor in ("mp", "ray"):  # the spawned workers, the rank actors, are gone after shutdown
         assert wait_gone(pids, within=10) == [], pids
+    if executor == "ray":
+        assert leftovers() == ([], 0), "shutdown left a placement group or held CPUs"
 
 
-@pytest.mark.launcher
-def test_same_layout_gives_identical_frames_on_mp_and_external(runs):
-    assert np.array_equal(runs("mp")[1], runs("external")[1])
+@pytest.mark.parametrize(
+    "executor",
+    [
+        pytest.param("external", marks=pytest.mark.launcher),
+        pytest.param("ray", marks=pytest.mark.slow),
+    ],
+)
+def test_same_layout_gives_identical_frames_on_mp_and_others(runs, executor):
+    assert np.array_equal(runs("mp")[1], runs(executor)[1])

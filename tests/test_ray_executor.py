@@ -1,60 +1,39 @@
-"""The Ray executor on a real Ray cluster on this machine (started once for the module, on 127.0.0.1, 4 CPUs, no
-dashboard): parity with inline and byte-identical videos with mp, a rank's actor killed mid-generation, resources and
-addresses refused at once, batch and serve through the CLI, and two emulated nodes (ray.cluster_utils.Cluster)."""
+"""The Ray executor on a real Ray cluster on this machine (one for the session, tests/ray_cluster.py: 127.0.0.1, 4
+CPUs, no dashboard): parity with inline and byte-identical videos with mp, a rank's actor killed mid-generation and
+while idle, resources and addresses refused at once, batch and serve through the CLI, step caching as on mp, two
+emulated nodes (ray.cluster_utils.Cluster), and nothing of a cluster the executor starts itself listening beyond
+loopback. The executor contract and cancellation run on Ray in test_executor_contract.py and test_cancel.py."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
 import pytest
-import ray  # make setup installs distvideo[ray]: a missing Ray fails here
+import ray  # noqa: F401 (make setup installs distvideo[ray]: a missing Ray fails here)
 
 from distvideo import VideoGenerator
 from distvideo.errors import ConfigError, WorkerDiedError
-from distvideo.executors.ray_executor import rank_order
+from distvideo.executors.ray_placement import rank_order, rendezvous_kind
+from ray_cluster import is_loopback, leftovers, session_cluster  # noqa: F401 (the fixture ray_cluster)
 
 from conftest import REPO, max_abs_diff
 from contract_checks import PROMPT, REQUEST
 from launchers import console_script
+from processes import wait_gone
 from serving_harness import SMALL, start_server
 
 pytestmark = pytest.mark.slow
-TESTS_ON_PATH = {"env_vars": {"PYTHONPATH": str(REPO / "tests")}}
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    """A local Ray cluster this test process owns (the executor joins it and leaves it running). Its actors import
-    this module's functions as spawned mp workers do: the tests folder is on their path (a job's runtime_env)."""
-    context = ray.init(
-        address="local",
-        _node_ip_address="127.0.0.1",
-        num_cpus=4,
-        include_dashboard=False,
-        logging_level="WARNING",
-        runtime_env=TESTS_ON_PATH,
-    )
-    yield context.address_info["gcs_address"]
-    ray.shutdown()
-
-
-def leftovers(within: float = 10.0) -> tuple[list, float]:
-    """(placement groups not removed, CPUs still held): ([], 0) once every actor and placement group is gone."""
-    deadline = time.monotonic() + within
-    while True:
-        groups = [g for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"]
-        held = ray.cluster_resources().get("CPU", 0) - ray.available_resources().get("CPU", 0)
-        if (not groups and held == 0) or time.monotonic() > deadline:
-            return groups, held
-        time.sleep(0.2)
-
-
-def test_frames_match_inline_and_the_video_is_byte_identical_to_mp(cluster, tmp_path):
+def test_frames_match_inline_and_the_video_is_byte_identical_to_mp(ray_cluster, tmp_path):
     with VideoGenerator.from_pretrained(executor="inline") as gen:
         reference = gen.generate(PROMPT, **REQUEST).frames
     request = {**REQUEST, "save_video": True}
@@ -69,7 +48,7 @@ def test_frames_match_inline_and_the_video_is_byte_identical_to_mp(cluster, tmp_
     assert leftovers() == ([], 0), "shutdown left actors or placement groups"
 
 
-def test_events_cancel_and_timeouts(cluster):
+def test_events_cancel_and_timeouts(ray_cluster):
     with VideoGenerator.from_pretrained(executor="ray", num_gpus=2) as gen:
         steps = []
         res = gen.generate(PROMPT, **{**REQUEST, "num_inference_steps": 3}, on_progress=lambda d, t: steps.append(d))
@@ -88,7 +67,7 @@ def _fail_on_rank_1(worker):
     return worker.rank
 
 
-def test_cancel_from_another_thread_stops_every_rank(cluster):
+def test_cancel_from_another_thread_stops_every_rank(ray_cluster):
     from distvideo.errors import GenerationCancelled
 
     with VideoGenerator.from_pretrained(executor="ray", num_gpus=2) as gen:
@@ -103,7 +82,7 @@ def test_cancel_from_another_thread_stops_every_rank(cluster):
         assert gen.collective_rpc("ping") == [0, 1], "usable after a cancel"
 
 
-def test_an_actor_killed_mid_generation_is_reported_within_seconds(cluster):
+def test_an_actor_killed_mid_generation_is_reported_within_seconds(ray_cluster):
     gen = VideoGenerator.from_pretrained(executor="ray", num_gpus=2)
     pid = gen.collective_rpc(lambda w: os.getpid())[1]
     threading.Timer(1.0, lambda: os.kill(pid, 9)).start()
@@ -117,7 +96,7 @@ def test_an_actor_killed_mid_generation_is_reported_within_seconds(cluster):
     assert leftovers() == ([], 0)
 
 
-def test_too_few_resources_and_unreachable_addresses_fail_at_once(cluster):
+def test_too_few_resources_and_unreachable_addresses_fail_at_once(ray_cluster):
     with pytest.raises(ConfigError, match=r"8 bundle\(s\) \{'CPU': 1.0\} needed .* it has CPU=4"):
         VideoGenerator.from_pretrained(executor="ray", num_gpus=8)
     assert leftovers() == ([], 0)
@@ -136,13 +115,90 @@ def test_rank_order_puts_the_driver_node_first_grouped_by_node():
     assert rank_order("x", ["a", "c", "a"]) == [0, 2, 1]
 
 
+def test_ranks_meet_in_a_file_store_beside_the_driver_else_on_loopback_on_one_machine():
+    addresses = {"a": "10.0.0.1", "b": "10.0.0.1", "c": "10.0.0.2"}
+    assert rendezvous_kind("a", ["a", "a"], addresses) == ("file", None)
+    assert rendezvous_kind("a", ["a", "b"], addresses) == ("env", "127.0.0.1")  # emulated nodes: one machine
+    assert rendezvous_kind("c", ["a", "c"], addresses) == ("env", "10.0.0.1")
+
+
+def test_an_actor_that_dies_while_idle_is_noticed_at_once(ray_cluster):
+    gen = VideoGenerator.from_pretrained(executor="ray", num_gpus=2)
+    pids = gen.collective_rpc(lambda w: os.getpid())
+    logged: list[logging.LogRecord] = []  # a handler of its own: distvideo's logger may not propagate to pytest's
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = logged.append  # type: ignore[method-assign]
+    logging.getLogger("distvideo.executors.ray_executor").addHandler(handler)
+    os.kill(pids[1], 9)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        try:
+            gen.check_health()
+        except WorkerDiedError as exc:
+            assert "rank 1 died" in str(exc) and "while idle" in str(exc)
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("check_health() did not report the dead actor within 15 s")
+    logging.getLogger("distvideo.executors.ray_executor").removeHandler(handler)
+    assert any("rank 1 died" in r.getMessage() for r in logged), "logged when seen, not at the next call"
+    assert wait_gone([pids[0]], within=10) == [], "the other rank's actor was killed"
+    with pytest.raises(WorkerDiedError, match="rank 1 died"):
+        gen.collective_rpc("ping")
+    with pytest.raises(RuntimeError, match="dead: rank 1 died"):
+        gen.collective_rpc("ping")
+    gen.shutdown()
+    assert leftovers() == ([], 0)
+
+
+def test_first_block_cache_skips_the_same_steps_as_on_mp(ray_cluster, tmp_path):
+    from distvideo.testing.checkpoints import build_test_checkpoint
+
+    model = build_test_checkpoint(tmp_path / "tiny-wan-4l")  # the 4-layer checkpoint test_caching.py calibrates on
+    request = dict(num_frames=9, height=48, width=48, num_inference_steps=8, guidance_scale=5.0, seed=3)
+    results = {}
+    for executor in ("mp", "ray"):  # sp2: the first-block metric is all-reduced over the sp group
+        with VideoGenerator.from_pretrained(
+            str(model), executor=executor, num_gpus=2, sp_size=2, cfg_parallel=False, device="cpu"
+        ) as gen:
+            results[executor] = gen.generate(
+                PROMPT, save_video=False, cache="first-block", cache_threshold=0.6, **request
+            )
+    skipped = results["ray"].cache["skipped_steps"]
+    assert 0 < len(skipped) < 7, results["ray"].cache  # some steps skipped, not all
+    assert results["ray"].cache == results["mp"].cache
+    assert max_abs_diff(results["ray"].frames, results["mp"].frames) <= 2
+    assert leftovers() == ([], 0)
+
+
+def test_nothing_of_a_local_cluster_the_executor_starts_listens_beyond_loopback():
+    """In a fresh process with no cluster to find (an empty RAY_TMPDIR, kept short: Ray's socket paths are limited),
+    the executor starts its own; every listening socket of it (GCS, raylet, agents, workers, the driver) and of the
+    rank actors (Ray's server, gloo) is on 127.0.0.1 or ::1."""
+    script = REPO / "tests" / "rank_scripts" / "ray_loopback.py"
+    ray_tmp = tempfile.mkdtemp(prefix="dvray-", dir="/tmp")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}  # nothing of this process's cluster
+    env.update(PYTHONPATH=str(REPO / "tests"), RAY_TMPDIR=ray_tmp, DISTVIDEO_NO_PROGRESS="1")
+    try:
+        proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["node"] == "127.0.0.1" and seen["frames"]
+    listening = {int(pid): ips for pid, ips in seen["listening"].items()}
+    assert all(listening.get(pid) for pid in seen["actors"]), f"every actor listens somewhere: {listening}"
+    wide = {pid: ips for pid, ips in listening.items() if not all(is_loopback(ip) for ip in ips)}
+    assert wide == {}, f"listening beyond loopback: {wide}"
+
+
 def _cli(args, timeout=300):
     env = {**os.environ, "DISTVIDEO_NO_PROGRESS": "1"}
     cmd = [console_script("distvideo"), *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
 
 
-def test_batch_and_a_served_job(cluster, tmp_path):
+def test_batch_and_a_served_job(ray_cluster, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red kite\na blue kite\n")
     out = tmp_path / "batch"
@@ -150,12 +206,12 @@ def test_batch_and_a_served_job(cluster, tmp_path):
     proc = _cli(
         [
             *("generate", "--prompts", str(prompts), "--executor", "ray", "--num-gpus", "2", "--replicas", "2"),
-            *("--ray-address", cluster, "--output", str(out), *small),
+            *("--ray-address", ray_cluster, "--output", str(out), *small),
         ]
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert len(list(out.glob("*.mp4"))) == 2
-    with start_server(tmp_path / "serve", "ray", args=["--ray-address", cluster]) as server:
+    with start_server(tmp_path / "serve", "ray", args=["--ray-address", ray_cluster]) as server:
         video = server.create(prompt="a boat", **SMALL)
         assert server.wait(video["id"])["status"] == "completed"
     assert leftovers() == ([], 0)
@@ -164,7 +220,7 @@ def test_batch_and_a_served_job(cluster, tmp_path):
 def test_two_emulated_nodes_order_ranks_by_node():
     script = REPO / "tests" / "rank_scripts" / "ray_two_nodes.py"
     env = {**os.environ, "PYTHONPATH": str(REPO / "tests")}
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
     (node0, local0, count0), (node1, local1, count1) = seen["placed"]

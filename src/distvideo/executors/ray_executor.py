@@ -2,11 +2,14 @@
 
 Start-up: connect to the cluster (`ray_address`, else a running one, else a local one on 127.0.0.1 without a
 dashboard), check `ray.cluster_resources()` against the bundles, reserve a PACK placement group (bounded wait), start
-one actor per bundle, order the ranks by node with the driver's node first, and let them meet through env:// at rank
-0's node on a port free there. Ray gives each actor its `CUDA_VISIBLE_DEVICES`.
+one actor per bundle, order the ranks by node with the driver's node first, and let them meet (ray_placement.py): in a
+private file store when every rank runs on the driver's node, else through env:// at rank 0's node on a port free
+there; gloo binds loopback when every rank is on one machine. Ray gives each actor its `CUDA_VISIBLE_DEVICES`.
 
 A call is one actor method call per rank; the driver waits on their object refs with `ray.wait` in short slices, so a
-dead actor (ActorDiedError) is reported at once. Events and cancellation travel through one small `CallControl` actor
+dead actor (ActorDiedError) is reported at once; between calls a monitor thread probes the actors every second, so a
+death while idle is logged at once, the other actors are killed and the next call (or `check_health`) raises the
+WorkerDiedError. Events and cancellation travel through one small `CallControl` actor
 (ray_rank.py). The executor contract (executors/base.py) is as on mp: per-call timeouts, lockstep settling, one
 RankFailure; a timeout, a dead rank, a stuck lockstep call or Ctrl-C kill every actor and the placement group.
 """
@@ -14,13 +17,15 @@ RankFailure; a timeout, a dead rank, a stuck lockstep call or Ctrl-C kill every 
 from __future__ import annotations
 
 import logging
-import socket
+import shutil
+import tempfile
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, NoReturn
 
 from distvideo.engine import ResolvedEngine
-from distvideo.errors import ConfigError, RankFailure, WorkerDiedError
+from distvideo.errors import RankFailure, WorkerDiedError
 from distvideo.executors.base import (
     PLAIN,
     SETTLE_S,
@@ -34,72 +39,17 @@ from distvideo.executors.base import (
     must_settle,
 )
 from distvideo.executors.mp_wire import remote_traceback
+from distvideo.executors.ray_placement import bundles_for, check_resources, connect, rank_order, rendezvous_kind
 from distvideo.executors.ray_rank import CallControl, RankActor
 
 logger = logging.getLogger(__name__)
 
-CONNECT_TIMEOUT_S = 5.0  # an address that does not answer within this is unreachable
 PLACEMENT_TIMEOUT_S = 60.0  # the cluster has the resources but others hold them: give up after this
 WAIT_SLICE_S = 0.2  # one ray.wait: events are drained and Ctrl-C is seen at least this often
 STARTUP_TIMEOUT_S = 900.0  # loading the model on every rank
 STOP_GRACE_FACTOR, STOP_GRACE_S = 2.0, 30.0  # as mp: a self-limited call unanswered this long after is stuck
-
-
-def connect(address: str | None) -> bool:
-    """Join the cluster at `address` ('auto' or HOST:PORT), else a running one, else start a local one on 127.0.0.1.
-    Whether this call connected (False: the process was already connected, and stays so after shutdown)."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    options: dict[str, Any] = {"include_dashboard": False, "logging_level": logging.WARNING, "log_to_driver": True}
-    if address not in (None, "auto"):
-        assert address is not None
-        host, _, port = address.rpartition(":")
-        try:
-            socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
-        except OSError as exc:
-            raise ConfigError(
-                f"ray_address={address!r}: no Ray cluster answers there within {CONNECT_TIMEOUT_S:g} s ({exc}); "
-                "give the head node's GCS address (ray start --head prints it) or 'auto'"
-            ) from None
-        ray.init(address=address, **options)
-        return True
-    try:
-        ray.init(address="auto", **options)
-    except ConnectionError:
-        if address == "auto":
-            raise ConfigError("ray_address='auto': no running Ray cluster found on this machine") from None
-        logger.info("no running Ray cluster: starting a local one on 127.0.0.1")
-        ray.init(address="local", _node_ip_address="127.0.0.1", **options)
-    return True
-
-
-def bundles_for(engine: ResolvedEngine, cluster: dict[str, float]) -> list[dict[str, float]]:
-    """One bundle per rank: a GPU where the ranks run on CUDA (device 'cuda...', or unset on a cluster with GPUs)."""
-    device = engine.config.device or ("cuda" if cluster.get("GPU", 0) > 0 else "cpu")
-    kind = "GPU" if device.startswith("cuda") else "CPU"
-    return [{kind: 1.0} for _ in range(engine.world_size)]
-
-
-def check_resources(bundles: list[dict[str, float]], cluster: dict[str, float]) -> None:
-    need: dict[str, float] = {}
-    for bundle in bundles:
-        for name, amount in bundle.items():
-            need[name] = need.get(name, 0.0) + amount
-    short = {k: v for k, v in need.items() if cluster.get(k, 0.0) < v}
-    if short:
-        has = ", ".join(f"{k}={v:g}" for k, v in sorted(cluster.items()) if k in ("CPU", "GPU") or k in need)
-        raise ConfigError(
-            f"the Ray cluster is too small: {len(bundles)} bundle(s) {bundles[0]} needed (num_gpus={len(bundles)}), "
-            f"it has {has or 'nothing'}; add nodes or pass a smaller num_gpus"
-        )
-
-
-def rank_order(driver_node: str, nodes: list[str]) -> list[int]:
-    """Bundle indices in rank order: grouped by node, the driver's node first, then nodes as Ray placed them."""
-    first_seen = {node: i for i, node in reversed(list(enumerate(nodes)))}
-    return sorted(range(len(nodes)), key=lambda i: (nodes[i] != driver_node, first_seen[nodes[i]], i))
+MONITOR_S = 1.0  # while idle, the actors are asked this often whether they are alive
+PROBE_TIMEOUT_S = 5.0  # an idle actor that does not answer a probe within this is slow, not dead: asked again later
 
 
 class RayExecutor(Executor):
@@ -116,7 +66,12 @@ class RayExecutor(Executor):
         self._control: Any = None
         self._next_id = 0
         self._dead: str | None = None
+        self._died_idle: WorkerDiedError | None = None  # a death the monitor saw: what the next call raises
         self._closed = False
+        self._rendezvous_dir: str | None = None  # the file store's private directory, when the ranks use one
+        self._lock = threading.Lock()  # held by a call, and by the monitor while it probes the actors
+        self._stopping = threading.Event()
+        self._monitor_thread: threading.Thread | None = None
         self._connected = connect(engine.config.ray_address)
         try:
             resources: dict[str, Any] = ray.cluster_resources()  # type: ignore[no-untyped-call]
@@ -128,6 +83,8 @@ class RayExecutor(Executor):
             self._dead = "start-up failed"
             self._release()
             raise
+        self._monitor_thread = threading.Thread(target=self._monitor, name="distvideo-ray-monitor", daemon=True)
+        self._monitor_thread.start()
 
     def _start(self, bundles: list[dict[str, float]]) -> None:
         import ray
@@ -156,11 +113,27 @@ class RayExecutor(Executor):
         self._actors = [actors[i] for i in order]
         nodes = [places[i][0] for i in order]
         registered: list[dict[str, Any]] = ray.nodes()  # type: ignore[no-untyped-call]
-        address = {n["NodeID"]: n["NodeManagerAddress"] for n in registered}[nodes[0]]  # as the node registered
-        master = (address, int(ray.get(self._actors[0].free_port.remote(address), timeout=60)))
-        logger.debug("ray ranks on nodes %s (CUDA_VISIBLE_DEVICES %s), rendezvous at %s:%d", nodes, places, *master)
+        addresses = {n["NodeID"]: n["NodeManagerAddress"] for n in registered}  # as each node registered
+        kind, host = rendezvous_kind(ray.get_runtime_context().get_node_id(), nodes, addresses)
+        master: tuple[str, int] | None = None
+        if kind == "file":  # no port: a directory only this user can open (mkdtemp makes it 0700), as mp's
+            self._rendezvous_dir = tempfile.mkdtemp(prefix="distvideo-rendezvous-")
+            init_method = f"file://{self._rendezvous_dir}/store"
+        else:
+            assert host is not None
+            master = (host, int(ray.get(self._actors[0].free_port.remote(host), timeout=60)))
+            init_method = "env://"
+        loopback = host is None or host.startswith("127.")
+        logger.debug("ray ranks on nodes %s (CUDA_VISIBLE_DEVICES %s), rendezvous %s %s", nodes, places, kind, master)
         starts = [
-            actor.start.remote(self.engine, rank, nodes[:rank].count(nodes[rank]), nodes.count(nodes[rank]), master)
+            actor.start.remote(
+                self.engine,
+                rank,
+                (nodes[:rank].count(nodes[rank]), nodes.count(nodes[rank])),
+                init_method,
+                master,
+                loopback,
+            )
             for rank, actor in enumerate(self._actors)
         ]
         statuses = self._gather(starts, "start-up", STARTUP_TIMEOUT_S, PLAIN, 0)
@@ -190,7 +163,19 @@ class RayExecutor(Executor):
         if timeout is not None and not timeout > 0:
             raise ValueError(f"collective_rpc: timeout={timeout} must be a positive number of seconds, or None")
         check_reply_rank(self.world_size, unique_reply_rank)
-        self.check_health()
+        with self._lock:
+            self._check_usable()
+            return self._call(method, args, kwargs, timeout, unique_reply_rank, options)
+
+    def _call(
+        self,
+        method: str | Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None,
+        timeout: float | None,
+        unique_reply_rank: int | None,
+        options: CallOptions,
+    ) -> Any:
         if options.self_limit is not None:
             stuck = STOP_GRACE_FACTOR * options.self_limit + STOP_GRACE_S
             timeout = stuck if timeout is None else min(timeout, stuck)
@@ -230,10 +215,64 @@ class RayExecutor(Executor):
             self._control.cancel.remote(call_id)
 
     def check_health(self) -> None:
+        """Raise what the next call would raise once the actors are gone (reads state only, never waits on a call)."""
         if self._closed:
             raise RuntimeError(SHUT_DOWN)
+        died_idle = self._died_idle
+        if died_idle is not None:
+            raise WorkerDiedError(str(died_idle))
         if self._dead is not None:
             raise RuntimeError(f"the ray executor is dead: {self._dead}. Create a new VideoGenerator to continue.")
+
+    def _check_usable(self) -> None:
+        died_idle, self._died_idle = self._died_idle, None
+        if died_idle is not None and not self._closed:  # the monitor saw it: the first call after it raises it
+            raise died_idle
+        self.check_health()
+
+    def _monitor(self) -> None:
+        """The monitor thread: while no call runs, probe every actor each MONITOR_S; a call in flight watches its
+        actors itself (`_gather`), so the monitor skips a turn while one holds the lock."""
+        while not self._stopping.wait(MONITOR_S):
+            if not self._lock.acquire(blocking=False):
+                continue
+            try:
+                if self._closed or self._dead is not None:
+                    return
+                try:
+                    dead = self._probe()
+                except Exception as exc:  # Ray going away under a shutdown, or a probe it could not run: no death
+                    logger.debug("ray monitor: probe failed: %s", exc)
+                    continue
+                if dead is not None and not self._stopping.is_set():  # not a kill of shutdown's
+                    self._idle_death(*dead)
+                    return
+            finally:
+                self._lock.release()
+
+    def _probe(self) -> tuple[int, BaseException] | None:
+        """(rank, Ray's error) of the first actor found dead, or None."""
+        import ray
+
+        refs = [actor.alive.remote() for actor in self._actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=PROBE_TIMEOUT_S)
+        for rank, ref in enumerate(refs):
+            if ref in ready:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError as exc:
+                    return rank, exc
+        return None
+
+    def _idle_death(self, rank: int, exc: BaseException) -> None:
+        self._dead = f"rank {rank} died ({type(exc).__name__}) while idle"
+        error = WorkerDiedError(
+            f"{self._dead}; the other ranks' actors were killed and this VideoGenerator can no longer be used: "
+            "create a new one."
+        )
+        self._died_idle = error
+        logger.error("%s", error)
+        self._release(disconnect=False)  # ray.shutdown belongs to the thread that calls shutdown()
 
     def _gather(
         self, refs: list[Any], what: str, timeout: float | None, options: CallOptions, call_id: int
@@ -313,6 +352,7 @@ class RayExecutor(Executor):
     def shutdown(self) -> None:
         if self._closed:
             return
+        self._stopping.set()
         if self._dead is None and self._actors:
             import ray
 
@@ -322,9 +362,13 @@ class RayExecutor(Executor):
                 logger.debug("ray ranks did not stop cleanly: %s", exc)
         self._closed = True
         self._release()
+        monitor = self._monitor_thread
+        if monitor is not None and monitor is not threading.current_thread():
+            monitor.join(PROBE_TIMEOUT_S + MONITOR_S)
 
-    def _release(self) -> None:
-        """Kill every actor, remove the placement group, disconnect if this executor connected. Safe twice."""
+    def _release(self, disconnect: bool = True) -> None:
+        """Kill every actor, remove the placement group and the rendezvous directory, disconnect if this executor
+        connected (and `disconnect`). Safe twice."""
         import ray
 
         self._dead = self._dead or "shut down"
@@ -336,6 +380,9 @@ class RayExecutor(Executor):
         placement, self._placement = self._placement, None
         if placement is not None:
             ray.util.remove_placement_group(placement)
-        if self._connected:
+        directory, self._rendezvous_dir = self._rendezvous_dir, None
+        if directory is not None:
+            shutil.rmtree(directory, ignore_errors=True)
+        if self._connected and disconnect:
             self._connected = False
             ray.shutdown()

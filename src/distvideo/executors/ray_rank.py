@@ -63,9 +63,21 @@ class RankActor:
             sock.bind((address, 0))
             return int(sock.getsockname()[1])
 
+    def alive(self) -> None:
+        """The monitor's probe between calls: answering is the whole point."""
+
     def start(
-        self, engine: ResolvedEngine, rank: int, local_rank: int, local_world: int, master: tuple[str, int]
+        self,
+        engine: ResolvedEngine,
+        rank: int,
+        local: tuple[int, int],
+        init_method: str,
+        master: tuple[str, int] | None,
+        loopback: bool,
     ) -> RankStatus:
+        """Join the rendezvous (`init_method`: a file store, or env:// at `master`) and load the model; `local`: this
+        rank's (local rank, local world size) on its node; `loopback`: every rank is on this machine, so gloo listens
+        on the loopback interface only."""
         from distvideo import envs
         from distvideo.executors.mp_worker import _bind_gloo_to_loopback
         from distvideo.logging_utils import configure_logging, set_log_rank
@@ -74,19 +86,14 @@ class RankActor:
         self.rank = rank
         set_log_rank(rank)
         configure_logging(engine.config.log_level)
-        addr, port = master
+        local_rank, local_world = local
         world = engine.world_size
-        env: dict[str, str | int] = {
-            "MASTER_ADDR": addr,
-            "MASTER_PORT": port,
-            "RANK": rank,
-            "WORLD_SIZE": world,
-            "LOCAL_RANK": local_rank,
-        }
-        envs.set_external({**env, "LOCAL_WORLD_SIZE": local_world})
-        if addr.startswith("127."):  # a cluster on this machine's loopback: gloo listens there too
+        if master is not None:
+            env: dict[str, str | int] = {"MASTER_ADDR": master[0], "MASTER_PORT": master[1], "RANK": rank}
+            envs.set_external({**env, "WORLD_SIZE": world, "LOCAL_RANK": local_rank, "LOCAL_WORLD_SIZE": local_world})
+        if loopback:
             _bind_gloo_to_loopback()
-        info = RankInfo(rank, local_rank, world, local_world, "env://")
+        info = RankInfo(rank, local_rank, world, local_world, init_method)
 
         def start_worker() -> str:
             self.worker = Worker(engine, info)
