@@ -13,10 +13,10 @@ import pytest
 from distvideo import GenerationCancelled, GenerationTimeout, VideoGenerator
 from distvideo.cli.main import main
 from distvideo.pipelines.control import StepControl
-from ray_cluster import session_cluster  # noqa: F401 (the fixture ray_cluster)
 
 from conftest import REPO
 from launchers import format_output, run_launcher
+from ray_cluster import session_cluster  # noqa: F401 (the fixture ray_cluster)
 
 REQUEST = dict(num_frames=9, height=32, width=48, seed=1, save_video=False)
 LONG = 400  # steps: far more than a test ever waits for

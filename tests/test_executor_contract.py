@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 
 from distvideo import VideoGenerator
-from ray_cluster import leftovers, session_cluster  # noqa: F401 (the fixture ray_cluster)
 
 from conftest import REPO, max_abs_diff
 from contract_checks import PROMPT, REQUEST, expected_failure_text, observe, thread_ids
 from launchers import format_output, run_launcher
 from processes import wait_gone
+from ray_cluster import leftovers, session_cluster  # noqa: F401 (the fixture ray_cluster)
 
 WORLD = {"inline": 1, "mp": 2, "external": 2, "ray": 2}
 

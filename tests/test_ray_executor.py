@@ -22,12 +22,12 @@ import ray  # noqa: F401 (make setup installs distvideo[ray]: a missing Ray fail
 from distvideo import VideoGenerator
 from distvideo.errors import ConfigError, WorkerDiedError
 from distvideo.executors.ray_placement import rank_order, rendezvous_kind
-from ray_cluster import is_loopback, leftovers, session_cluster  # noqa: F401 (the fixture ray_cluster)
 
 from conftest import REPO, max_abs_diff
 from contract_checks import PROMPT, REQUEST
 from launchers import console_script
 from processes import wait_gone
+from ray_cluster import is_loopback, leftovers, session_cluster  # noqa: F401 (the fixture ray_cluster)
 from serving_harness import SMALL, start_server
 
 pytestmark = pytest.mark.slow

@@ -9,6 +9,7 @@ import psutil
 import ray
 
 from distvideo import VideoGenerator
+
 from ray_cluster import listening
 
 with VideoGenerator.from_pretrained(executor="ray", num_gpus=2) as gen:

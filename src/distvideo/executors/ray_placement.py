@@ -6,11 +6,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
-from collections.abc import Iterator
 from typing import Any
 
 from distvideo.engine import ResolvedEngine
 from distvideo.errors import ConfigError
+from distvideo.models import compat
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,9 @@ def connect(address: str | None) -> bool:
         start_local_cluster(**options)
         return True
     loopback = running.rpartition(":")[0] in (LOOPBACK, "localhost", "::1", "[::1]")
-    with _loopback_node_address() if loopback else contextlib.nullcontext():  # a cluster on loopback stays there
+    with (
+        compat.ray_single_machine_mode() if loopback else contextlib.nullcontext()
+    ):  # a cluster on loopback stays there
         ray.init(address=running, **options)
     return True
 
@@ -56,34 +58,15 @@ def _running_cluster(address: str | None) -> str | None:
     neither RAY_ADDRESS nor a cluster `ray start` recorded). 'auto' also finds a cluster by its GCS process, and
     raises ConnectionError where there is none. Resolved in single-machine mode, so that a cluster on 127.0.0.1 keeps
     that address (Ray would otherwise turn it into the host's reachable one, where such a cluster does not listen)."""
-    from ray._private import services  # private: Ray's own resolution of ray.init's address, without connecting
-
-    with _loopback_node_address():
-        running: str | None = services.canonicalize_bootstrap_address(address)  # type: ignore[arg-type]
-    return running
-
-
-@contextlib.contextmanager
-def _loopback_node_address() -> Iterator[None]:
-    """While Ray starts a local cluster: keep its node address at 127.0.0.1. On Linux Ray turns a node address of
-    127.0.0.1 into the host's reachable one (`ray.util.get_node_ip_address()`), so GCS, raylet, agents and every
-    worker would listen on all interfaces; its single-machine mode (ENABLE_RAY_CLUSTER off, what
-    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 selects at import) keeps the address, and with it each server, on loopback."""
-    from ray._private import ray_constants  # private: the switch is only read as an environment variable at import
-
-    saved = ray_constants.ENABLE_RAY_CLUSTER
-    ray_constants.ENABLE_RAY_CLUSTER = False
-    try:
-        yield
-    finally:
-        ray_constants.ENABLE_RAY_CLUSTER = saved
+    with compat.ray_single_machine_mode():
+        return compat.ray_bootstrap_address(address)
 
 
 def start_local_cluster(**options: Any) -> Any:
     """`ray.init` of a new single-machine cluster whose every process listens on 127.0.0.1 only."""
     import ray
 
-    with _loopback_node_address():
+    with compat.ray_single_machine_mode():  # every server of the cluster on loopback (compat.py says why)
         return ray.init(address="local", _node_ip_address=LOOPBACK, **options)
 
 

@@ -1,4 +1,4 @@
-"""Every private name of diffusers and torch that distvideo relies on, in one module, with a version check.
+"""Every private name of diffusers, torch and Ray that distvideo relies on, in one module, with a version check.
 
 The plans (Ulysses, banded decode, text padding, CPU kernels) change diffusers' Wan modules in place. Where
 diffusers offers a public way (hooks, ``set_processor``) they use it; what remains private is reached only through
@@ -8,9 +8,10 @@ naming the installed version. ``check_private_names()`` runs when the first plan
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -262,3 +263,30 @@ def attention_with_lse(
         lse = torch.logsumexp(scores, dim=-1)
         out = torch.exp(scores - lse.unsqueeze(-1)) @ v.float()
     return out.transpose(1, 2).float(), lse.transpose(1, 2).float()
+
+
+# --- Ray (the ray executor, executors/ray_placement.py) -----------------------------------------------------------
+@contextlib.contextmanager
+def ray_single_machine_mode() -> Iterator[None]:
+    """While Ray starts or resolves a local cluster: keep its node address at 127.0.0.1. On Linux Ray turns a node
+    address of 127.0.0.1 into the host's reachable one (`ray.util.get_node_ip_address()`), so GCS, raylet, agents and
+    every worker would listen on all interfaces; its single-machine mode (`ray._private.ray_constants
+    .ENABLE_RAY_CLUSTER` off, what RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 selects at import) keeps the address, and with
+    it each server, on loopback. Private: the switch is only read as an environment variable when Ray is imported."""
+    from ray._private import ray_constants
+
+    saved = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved
+
+
+def ray_bootstrap_address(address: str | None) -> str | None:
+    """The GCS address `ray.init(address)` would join, without connecting (`ray._private.services
+    .canonicalize_bootstrap_address`, private: Ray has no public way to ask)."""
+    from ray._private import services
+
+    running: str | None = services.canonicalize_bootstrap_address(address)  # type: ignore[arg-type]
+    return running
