@@ -37,7 +37,8 @@ def state_of(worker):
 
 
 def write_line(worker, text):
-    print(f"{text} from rank {worker.rank}", flush=True)
+    """One whole line per write (the ranks share the file and its offset; a print may write its newline apart)."""
+    os.write(1, f"{text} from rank {worker.rank}\n".encode())
     os.write(2, f"{text} on stderr from rank {worker.rank}\n".encode())
 
 

@@ -168,6 +168,9 @@ def test_health_from_loading_to_unhealthy_when_an_mp_worker_dies(tmp_path, monke
     for name, value in SLOW_STEP_ENV.items():  # the spawned workers slow the long job down
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(FAULTS), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv(
+        "DISTVIDEO_MP_START", "spawn"
+    )  # new interpreters run the sitecustomize; forked workers would not
     engine = resolve_engine(EngineConfig(executor="mp", num_gpus=2))
     options = ServeOptions(port=0, output=str(tmp_path), limits=ServeLimits(max_steps=1000))
     front = Frontend(engine, options, {})
@@ -176,6 +179,7 @@ def test_health_from_loading_to_unhealthy_when_an_mp_worker_dies(tmp_path, monke
     loading = httpx.get(front.http.url + "/health", timeout=60)  # the port is open before the model loads
     assert loading.status_code == 503 and loading.json()["status"] == "loading", loading.text
     gen = VideoGenerator.from_engine(engine)
+    workers = [psutil.Process(pid) for pid in gen.collective_rpc(lambda worker: os.getpid())]  # however they started
     try:
         loop = front.loop = EngineLoop(gen, front.service, front.store, Adapters(gen, [], {}))
         front.service.set_ready()
@@ -190,7 +194,6 @@ def test_health_from_loading_to_unhealthy_when_an_mp_worker_dies(tmp_path, monke
             while client.get(f"/v1/videos/{job['id']}").json()["progress"] < 1:
                 assert time.monotonic() < deadline, "no progress"
                 time.sleep(0.05)
-            workers = [p for p in psutil.Process().children() if "spawn" in " ".join(p.cmdline())]
             workers[-1].kill()
             thread.join(timeout=120)
             assert codes == [1]
@@ -218,6 +221,7 @@ def test_health_turns_unhealthy_when_an_idle_mp_worker_dies(tmp_path):
     front.start_http(engine, options)
     assert front.http is not None
     gen = VideoGenerator.from_engine(engine)
+    workers = [psutil.Process(pid) for pid in gen.collective_rpc(lambda worker: os.getpid())]  # however they started
     try:
         loop = front.loop = EngineLoop(gen, front.service, front.store, Adapters(gen, [], {}))
         front.service.set_ready()
@@ -226,7 +230,6 @@ def test_health_turns_unhealthy_when_an_idle_mp_worker_dies(tmp_path):
         thread.start()
         with httpx.Client(base_url=front.http.url, timeout=60) as client:
             assert client.get("/health").json()["status"] == "ok"
-            workers = [p for p in psutil.Process().children() if "spawn" in " ".join(p.cmdline())]
             workers[-1].kill()
             thread.join(timeout=15)
             assert codes == [1], "the engine loop still waits for a job with a dead worker"
