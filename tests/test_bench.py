@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from distvideo import bench
+from distvideo.bench import run as bench_run  # a submodule: `bench.run` exists only once something imported it
 from distvideo.cli.main import main
 from distvideo.models.flops import wan_transformer_flops, wan_transformer_flops_breakdown
 
@@ -171,7 +171,7 @@ def test_bad_input_exits_2_before_loading(extra, named, tmp_path, capsys, monkey
     def no_loading(*a, **k):
         raise AssertionError("diffusers' pipeline was loaded for a bad request")
 
-    monkeypatch.setattr(bench.run, "DiffusersBaseline", no_loading)
+    monkeypatch.setattr(bench_run, "DiffusersBaseline", no_loading)
     args = ["bench", *SMALL, "--compare", "diffusers", "--json", str(tmp_path / "out.json"), *extra]
     assert main(args) == 2
     assert named in capsys.readouterr().err
@@ -199,7 +199,7 @@ BENCH_2 = [*SMALL, "--runs", "1", "--warmup", "0", "--compare", "diffusers", "--
 
 @pytest.mark.slow
 def test_bench_on_two_mp_ranks(tmp_path, tiny_model, capsys, monkeypatch):
-    monkeypatch.setattr(bench.run, "DiffusersBaseline", lambda *a, **k: pytest.fail("diffusers started for 2 ranks"))
+    monkeypatch.setattr(bench_run, "DiffusersBaseline", lambda *a, **k: pytest.fail("diffusers started for 2 ranks"))
     out = tmp_path / "mp.json"
     assert main(["bench", "--model", str(tiny_model), "--num-gpus", "2", *BENCH_2, "--json", str(out)]) == 0
     check_multi_rank_report(json.loads(out.read_text()), "mp")
