@@ -64,7 +64,8 @@ class Hardware:
     """One rank's device and links (parallel/planner.py `device_figures` has the defaults, each an assumption):
     `flops` achieved matmul FLOP/s; `memory_bytes` per rank; bandwidths in bytes/s that one rank moves inside a node
     and across nodes; `latency` seconds per collective or ring pass; `layer_overhead` seconds per transformer layer
-    and forward that do not scale with FLOPs (launches, Python, norms)."""
+    and forward that do not scale with FLOPs (launches, Python, norms); `block_overhead` seconds per extra attention
+    block under ring attention (one more kernel call and a float32 log-sum-exp merge)."""
 
     kind: str
     flops: float
@@ -73,6 +74,7 @@ class Hardware:
     inter_bandwidth: float
     latency: float
     layer_overhead: float
+    block_overhead: float
     ranks_per_node: int
 
 
@@ -179,10 +181,11 @@ def step_time(model: ModelFigures, request: RequestFigures, hw: Hardware, world:
     if u > 1:  # two all-to-alls per layer (q, k, v together; the output); (u-1)/u of the data leaves the rank
         moved = 4 * local * model.hidden * b * (u - 1) / u
         parts["ulysses"] = forwards * layers * (2 * hw.latency + moved / _bandwidth(world, 1, u, hw))
-    if r > 1:  # r-1 key/value passes per layer, each hidden behind one block of attention as far as that lasts
+    if r > 1:  # r-1 key/value passes per layer, each hidden behind one block of attention as far as that lasts, and
+        # r-1 more blocks to compute and merge
         one_pass = hw.latency + 2 * local * model.hidden * b / _bandwidth(world, u, r, hw)
         block = 4 * local * request.tokens * model.hidden / r / RING_ATTENTION_EFFICIENCY / hw.flops
-        parts["ring"] = forwards * layers * (r - 1) * max(0.0, one_pass - block)
+        parts["ring"] = forwards * layers * (r - 1) * (max(0.0, one_pass - block) + hw.block_overhead)
     if sp > 1:  # the output all-gather of every forward
         parts["gather"] = forwards * (hw.latency + request.latent_bytes / _bandwidth(world, 1, sp, hw))
     if cfg > 1:  # one all-gather of the noise prediction per step over the CFG pair (sp ranks apart)

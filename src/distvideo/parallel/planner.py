@@ -37,10 +37,12 @@ _BLOCK = re.compile(r"^(.*?blocks\.\d+)\.")
 # 10 GbE link; CUDA: an H100/H200-class GPU in bf16 at about 40% of its dense peak, NVLink inside a node, one
 # 200 Gb/s NIC per GPU across nodes.
 CPU_CORE_FLOPS = 50e9
-CPU_FIGURES = dict(intra_bandwidth=1e9, inter_bandwidth=1e9, latency=200e-6, layer_overhead=1e-3)
+CPU_FIGURES = dict(intra_bandwidth=1e9, inter_bandwidth=1e9, latency=200e-6, layer_overhead=1e-3, block_overhead=250e-6)
 CUDA_FLOPS = 400e12
 CUDA_MEMORY_BYTES = 80 * 2**30
-CUDA_FIGURES = dict(intra_bandwidth=150e9, inter_bandwidth=25e9, latency=20e-6, layer_overhead=50e-6)
+CUDA_FIGURES = dict(
+    intra_bandwidth=150e9, inter_bandwidth=25e9, latency=20e-6, layer_overhead=50e-6, block_overhead=20e-6
+)
 
 
 @dataclass(frozen=True)
