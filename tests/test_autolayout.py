@@ -14,6 +14,7 @@ from distvideo.executors import resolve_engine
 from distvideo.models.registry import probe_model
 from distvideo.parallel import planner
 from distvideo.parallel.autolayout import (
+    NEAR,
     Hardware,
     ModelFigures,
     RequestFigures,
@@ -134,6 +135,17 @@ def test_sharding_only_when_unsharded_does_not_fit(memory, shard):
     hw = dataclasses.replace(H100, memory_bytes=memory * GIB)
     assert chosen(hw=hw)[4] == shard
     assert chosen(hw=hw)[:4] == (1, 2, 8 // 2, 1)  # the layout itself stays
+
+
+def test_an_unsharded_layout_that_fits_wins_over_a_faster_sharded_one():
+    """44 GiB on nodes of 4: cfg 2 x ulysses 4 fits only sharded, cfg 1 x sp 8 (half the activations per rank)
+    unsharded, with ring attention across the nodes (slower by more than NEAR)."""
+    request = dataclasses.replace(WAN14B_720P, decode_bytes=0, video_bytes=0)
+    hw = dataclasses.replace(H100, memory_bytes=44 * GIB, ranks_per_node=4)
+    plan = plan_layout(WAN14B, request, hw, 8)
+    assert (plan.chosen.shape.cfg, plan.chosen.shape.ulysses, plan.chosen.shape.shard) == (1, 4, "none")
+    fastest = plan.candidates[0]
+    assert fastest.feasible and fastest.shape.shard != "none" and fastest.time * (1 + NEAR) < plan.chosen.time
 
 
 def test_nothing_fits_is_said_and_the_smallest_is_chosen():

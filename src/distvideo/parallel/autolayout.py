@@ -138,6 +138,10 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def seconds(t: float) -> str:
+    return f"{t:.3g} s" if t >= 1 else f"{t * 1e3:.3g} ms"
+
+
 def gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
@@ -291,9 +295,11 @@ def choose(found: list[Candidate], hw: Hardware, world: int, objective: str = "l
 
 
 def _preference(c: Candidate, world: int, hw: Hardware, score: Callable[[Candidate], float]) -> tuple[Any, ...]:
-    """Among near-equal estimates: fewer replicas, Ulysses within a node, more Ulysses (less ring), CFG on."""
+    """Among near-equal estimates: fewer replicas, less sharding, Ulysses within a node, more Ulysses (less ring),
+    CFG on."""
     s = c.shape
-    return (s.replicas, spans_nodes(world, 1, s.ulysses, hw.ranks_per_node), s.ring, -s.cfg, score(c))
+    within = spans_nodes(world, 1, s.ulysses, hw.ranks_per_node)
+    return (s.replicas, SHARD_LEVELS.index(s.shard), within, s.ring, -s.cfg, score(c))
 
 
 def _why_this_shape(
@@ -317,7 +323,7 @@ def _why_this_shape(
         )
     if len(near) > 1:
         reasons.append(
-            f"{len(near)} layouts within {NEAR:.0%} of the fastest estimate ({best * 1e3:.3g} ms/step) count as "
+            f"{len(near)} layouts within {NEAR:.0%} of the fastest estimate ({seconds(best)} per step) count as "
             "equal; preferred among them: fewer replicas, Ulysses within a node, Ulysses over ring, CFG parallelism"
         )
     return reasons
