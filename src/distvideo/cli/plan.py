@@ -156,12 +156,9 @@ def plan_text(plan: Any, header: dict[str, Any], top: int) -> str:
         for x in plan.candidates
         if x.shape.shard == "none" or (x.shape.replicas, x.shape.cfg, x.shape.ulysses) not in fits
     ]
-    shown = listed[:top]
-    if c not in shown:
-        shown = [*shown, c]
-    fastest = min((x.time for x in plan.candidates if x.feasible), default=c.time)
+    shown = [c, *[x for x in listed if x is not c][: top - 1]]  # the chosen first, then by time
     for x in shown:
-        why = x.why or ("chosen" if x is c else f"x{x.time / fastest:.2f} the fastest")
+        why = x.why or ("chosen" if x is c else f"{x.time / c.time:.2f}x the chosen's time")
         if x.why == "" and x.shape.replicas > 1 and plan.objective == "latency":
             why += f"; replicas: {x.requests_per_second / c.requests_per_second:.2f}x the requests/s"
         mark = "*" if x is c else " "
