@@ -227,12 +227,15 @@ def test_spans_nodes(world, stride, size, per_node, expected):
 @pytest.mark.parametrize("heads", [2, 3, 4, 6, 12])
 @pytest.mark.parametrize("flops", [1e9, 50e9, 5e12])  # a loaded core to a large CPU node
 def test_the_tiny_checkpoints_keep_the_rules_default(heads, flops):
-    """The launched tests run with no layout option on 1-8 CPU ranks: the automatic choice equals the old rules'."""
+    """The launched tests run with no layout option on 1-8 CPU ranks, on one node or two (srun -N 2): the automatic
+    choice equals the old rules'."""
     model = dataclasses.replace(TINY, heads=heads)
     for world in range(1, 9):
         old = resolve_layout(world, num_heads=heads)
-        got = chosen(model, TINY_REQUEST, dataclasses.replace(CPU, flops=flops), world)
-        assert got == (1, old.cfg_degree, old.ulysses_size, old.ring_size, "none"), world
+        for per_node in {world, 2} if world % 2 == 0 else {world}:
+            hw = dataclasses.replace(CPU, flops=flops, ranks_per_node=per_node)
+            got = chosen(model, TINY_REQUEST, hw, world)
+            assert got == (1, old.cfg_degree, old.ulysses_size, old.ring_size, "none"), (world, per_node)
 
 
 @pytest.mark.parametrize("name", ["tiny-wan", "demo-wan"])
