@@ -196,8 +196,9 @@ def plan_for(
 
 def auto_layout(config: EngineConfig, model: ModelInfo, world: int, ranks_per_node: int | None = None) -> AutoLayout:
     """The engine's layout: the options given (the rules of parallel/layout.py fill the rest), or with none given
-    the cost model's choice for the model's default request (`layout="auto"`)."""
-    if layout_is_explicit(config):
+    the cost model's choice for the model's default request (`layout="auto"`). One rank has one layout: no plan (and
+    no header read or device query) for it."""
+    if layout_is_explicit(config) or world == 1:
         layout = resolve_layout(
             world,
             sp_size=config.sp_size,
