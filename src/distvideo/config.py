@@ -17,6 +17,7 @@ from distvideo.errors import ConfigError
 EXECUTORS = ("auto", "inline", "mp", "external", "ray")
 DTYPES = ("float32", "bfloat16", "float16")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+LAYOUT_MODES = ("auto", "rules")  # the cost model (parallel/autolayout.py) or the fixed rules of parallel/layout.py
 SHARD_MODES = ("none", "transformer", "all")  # what FSDP2 shards over a replica's ranks (parallel/shard.py)
 OFFLOAD_MODES = ("none", "text", "model")  # what waits in host memory until its stage (pipelines/offload.py)
 
@@ -67,6 +68,12 @@ class EngineConfig:
     )
     num_gpus: int | None = _option("number of ranks (default 1, or the launcher's world size)")
     executor: str = _option("how ranks exist", "auto", choices=EXECUTORS)
+    layout: str = _option(
+        "auto: with no layout option given, the cost model chooses replicas, cfg, ulysses, ring and sharding "
+        "(`distvideo plan` shows why); rules: the fixed defaults (CFG parallelism on an even world, sp the rest)",
+        "auto",
+        choices=LAYOUT_MODES,
+    )
     sp_size: int | None = _option("sequence-parallel degree (default: automatic)")
     # -- USP: sp_size = ulysses_size x ring_size (parallel/ring.py) --
     ulysses_size: int | None = _option(
@@ -74,10 +81,9 @@ class EngineConfig:
     )
     ring_size: int | None = _option("ring-attention share of sp_size (default: sp_size / ulysses_size)")
     # -- end USP --
-    shard_weights: str = _option(
+    shard_weights: str | None = _option(
         "FSDP2 over the ranks of a replica: none, transformer (the denoising transformers' blocks, each gathered just "
-        "before use), all (also the text encoders)",
-        "none",
+        "before use), all (also the text encoders); default: none, unless the automatic layout needs it to fit",
         choices=SHARD_MODES,
     )
     replicas: int | None = _option(
@@ -131,6 +137,7 @@ class EngineConfig:
 
         return dataclasses.replace(
             self,
+            shard_weights=self.shard_weights or "none",
             compact_text_padding=_default(self.compact_text_padding, envs.get("DISTVIDEO_COMPACT_TEXT_PADDING")),
             cpu_kernels=_default(self.cpu_kernels, envs.get("DISTVIDEO_CPU_KERNELS")),
             compile=_default(self.compile, envs.get("DISTVIDEO_COMPILE")),
@@ -143,7 +150,7 @@ class EngineConfig:
 
     def _validate_sharding(self) -> None:
         """What sharded weights do not combine with yet, refused before anything loads."""
-        if self.shard_weights == "none":
+        if self.shard_weights in (None, "none"):
             return
         conflicts = [
             (bool(self.compile), "compile", "regional compilation of FSDP-wrapped blocks is not tested yet"),

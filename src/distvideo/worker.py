@@ -178,7 +178,7 @@ class Worker:
             *speed_plans(self.config, model, sp_size=self.engine.layout.sp_size),
         ]
         if self.parallel is not None:  # last: FSDP wraps the blocks as the other plans left them
-            plans += self.parallel.shard_plans(self.config.shard_weights, components, transformers)
+            plans += self.parallel.shard_plans(self.config.shard_weights or "none", components, transformers)
         self._undo_plans = apply_plans(components, plans)
         self._gathered_bytes = max(gathered_bytes(components[name]) for name in transformers)
         pipeline_cls = PIPELINES[model.family.pipeline]

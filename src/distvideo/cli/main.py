@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     from distvideo.cli.calibrate import add_calibrate_parser
 
     add_calibrate_parser(sub)
+    from distvideo.cli.plan import add_plan_parser
+
+    add_plan_parser(sub)
     from distvideo.serving.options import add_serve_arguments
 
     srv = sub.add_parser("serve", help="serve the HTTP video API (OpenAI-style /v1/videos) on this engine")
@@ -176,6 +179,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from distvideo.cli.calibrate import cmd_calibrate
 
             return cmd_calibrate(args)
+        if args.command == "plan":
+            from distvideo.cli.plan import cmd_plan
+
+            return cmd_plan(args)
         if args.command == "bench":
             from distvideo.bench.plan import plan_from_args
 

@@ -17,7 +17,7 @@ from distvideo.models.embedded import embedded_model_path
 from distvideo.models.hub import resolve_model
 from distvideo.models.loading import verify_component_files
 from distvideo.models.registry import probe_model
-from distvideo.parallel.layout import resolve_layout
+from distvideo.parallel.planner import auto_layout
 
 logger = logging.getLogger(__name__)
 
@@ -65,15 +65,12 @@ def resolve_engine(config: EngineConfig, environ: Mapping[str, str] | None = Non
     if kind == "inline" and (config.num_gpus or 1) != 1:
         raise ConfigError(f"executor='inline' runs one rank; num_gpus={config.num_gpus} needs executor 'mp'")
     world_size = launch.world_size if launch is not None else (config.num_gpus or 1)
-    layout = resolve_layout(
-        world_size,
-        sp_size=config.sp_size,
-        cfg_parallel=config.cfg_parallel,
-        num_heads=model.num_attention_heads,
-        replicas=config.replicas,
-        ulysses_size=config.ulysses_size,
-        ring_size=config.ring_size,
-    )
+    per_node = launch.local_world_size if launch is not None else world_size
+    chosen = auto_layout(config, model, world_size, per_node)
+    layout = chosen.layout
+    if chosen.plan is not None:
+        config = dataclasses.replace(config, shard_weights=chosen.shard_weights)
+        logger.debug("automatic layout: %s", "; ".join(chosen.plan.reasons))
     logger.debug("executor %s, parallel layout: %s", kind, layout.describe())
     config = dataclasses.replace(config, executor=kind).with_defaults()
     return ResolvedEngine(config=config, model=model, layout=layout, launch=launch)

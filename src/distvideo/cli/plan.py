@@ -1,0 +1,172 @@
+"""`distvideo plan --model M --num-gpus N [--nodes K] [--height H --width W --num-frames F]`: the layout the engine
+would choose (parallel/autolayout.py's cost model), the alternatives with their estimated time per step and memory
+per rank, and why. Reads the checkpoint's JSON files and weight headers only; never imports torch or loads a weight.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from typing import Any
+
+from distvideo import envs
+from distvideo.errors import ConfigError
+
+OBJECTIVES = ("latency", "throughput")
+
+
+def add_plan_parser(sub: Any) -> None:
+    p = sub.add_parser("plan", help="the parallel layout the engine would choose for a model and request, and why")
+    p.add_argument("--model", help="checkpoint folder or repo id (default: DISTVIDEO_MODEL, else the demo model)")
+    p.add_argument("--num-gpus", dest="num_gpus", type=int, required=True, help="ranks in all (world size)")
+    p.add_argument("--nodes", type=int, default=1, help="nodes the ranks are spread over, evenly (default 1)")
+    p.add_argument("--height", type=int, help="pixels (default: the model's)")
+    p.add_argument("--width", type=int, help="pixels (default: the model's)")
+    p.add_argument("--num-frames", dest="num_frames", type=int, help="frames (default: the model's)")
+    p.add_argument("--guidance-scale", dest="guidance_scale", type=float, help="CFG scale (default: the model's)")
+    p.add_argument("--device", choices=("cpu", "cuda"), help="device kind (default: cuda when a GPU is present)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default: bfloat16 on cuda")
+    p.add_argument("--memory-gib", dest="memory_gib", type=float, help="memory per rank (default: the device's)")
+    p.add_argument(
+        "--objective",
+        choices=OBJECTIVES,
+        default="latency",
+        help="latency: one request as fast as possible (the engine's choice); throughput: requests per second with "
+        "every replica busy (batches, services)",
+    )
+    p.add_argument("--top", type=int, default=12, help="alternatives shown (default 12)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def _check(args: argparse.Namespace) -> None:
+    """Bad numbers named before the checkpoint is read."""
+    if args.num_gpus < 1:
+        raise ConfigError(f"--num-gpus {args.num_gpus}: must be >= 1 (the number of ranks)")
+    if args.nodes < 1 or args.num_gpus % args.nodes:
+        raise ConfigError(
+            f"--nodes {args.nodes}: must be >= 1 and divide --num-gpus {args.num_gpus} (the same number of ranks on "
+            "every node)"
+        )
+    if args.memory_gib is not None and not args.memory_gib > 0:
+        raise ConfigError(f"--memory-gib {args.memory_gib}: must be a positive number of GiB per rank")
+    if args.top < 1:
+        raise ConfigError(f"--top {args.top}: must be >= 1")
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from distvideo.models.embedded import embedded_model_path
+    from distvideo.models.family import IMAGE_REQUIRED
+    from distvideo.models.hub import resolve_model
+    from distvideo.models.registry import probe_model
+    from distvideo.parallel.planner import plan_for
+    from distvideo.request import GenerationRequest
+
+    _check(args)
+    name = args.model or envs.get("DISTVIDEO_MODEL")
+    model = probe_model(resolve_model(name) if name else embedded_model_path())
+    # the request as generate resolves it; an image-to-video family gets a placeholder image (it does not change
+    # the layout, and is never read)
+    image = "(placeholder)" if model.family.image == IMAGE_REQUIRED else None
+    sizes = {k: getattr(args, k) for k in ("height", "width", "num_frames", "guidance_scale")}
+    request = GenerationRequest(prompt="plan", image=image, **sizes)
+    request = model.resolve_request(request, read_image=False)
+    memory = int(args.memory_gib * 2**30) if args.memory_gib else None
+    plan = plan_for(
+        model,
+        request,
+        args.num_gpus,
+        ranks_per_node=args.num_gpus // args.nodes,
+        device=args.device,
+        dtype=args.dtype,
+        memory_bytes=memory,
+        objective=args.objective,
+    )
+    from distvideo.parallel.planner import device_figures, device_kind
+
+    hardware = device_figures(device_kind(args.device), args.num_gpus // args.nodes, memory)
+    header = {
+        "model": str(model.path),
+        "family": model.family.name,
+        "request": {k: getattr(request, k) for k in ("num_frames", "height", "width", "guidance_scale")},
+        "world": args.num_gpus,
+        "nodes": args.nodes,
+        "hardware": dataclasses.asdict(hardware),
+    }
+    if args.json:
+        print(json.dumps(plan_json(plan, header), indent=2))
+    else:
+        print(plan_text(plan, header, args.top))
+    return 0
+
+
+def flags(shape: Any) -> str:
+    """The explicit flags that give the same layout."""
+    cfg = "--cfg-parallel" if shape.cfg == 2 else "--no-cfg-parallel"
+    return (
+        f"--replicas {shape.replicas} {cfg} --ulysses-size {shape.ulysses} --ring-size {shape.ring} "
+        f"--shard-weights {shape.shard}"
+    )
+
+
+def plan_json(plan: Any, header: dict[str, Any]) -> dict[str, Any]:
+    def row(c: Any) -> dict[str, Any]:
+        return {
+            **dataclasses.asdict(c.shape),
+            "sp": c.shape.sp,
+            "time_per_step_s": c.time,
+            "memory_per_rank_bytes": c.memory,
+            "feasible": c.feasible,
+            "why": c.why,
+            "parts_s": c.parts,
+        }
+
+    return {
+        **header,
+        "objective": plan.objective,
+        "chosen": row(plan.chosen),
+        "flags": flags(plan.chosen.shape),
+        "reasons": plan.reasons,
+        "candidates": [row(c) for c in plan.candidates],
+    }
+
+
+def plan_text(plan: Any, header: dict[str, Any], top: int) -> str:
+    from distvideo.parallel.autolayout import gib
+
+    c, hw, req = plan.chosen, header["hardware"], header["request"]
+    lines = [
+        f"model: {header['model']} ({header['family']})",
+        f"request: {req['num_frames']} frames x {req['height']} x {req['width']}, guidance {req['guidance_scale']}",
+        f"world: {header['world']} ranks on {header['nodes']} node(s); {hw['kind']} figures (assumed, "
+        f"docs/parallel.md): {hw['flops'] / 1e12:.3g} TFLOP/s, {gib(hw['memory_bytes'])} per rank, links "
+        f"{hw['intra_bandwidth'] / 1e9:.3g} / {hw['inter_bandwidth'] / 1e9:.3g} GB/s inside / across nodes",
+        "",
+        f"chosen ({plan.objective}): {c.shape.describe()}: est. {c.time * 1e3:.4g} ms/step, {gib(c.memory)} per rank",
+        f"  as flags: {flags(c.shape)}",
+        "",
+        f"{'layout':<52} {'ms/step':>10} {'memory/rank':>12}  {'feasible':<8}  why",
+    ]
+    # a sharded variant of a layout that fits unsharded is never chosen: left out of the table (not of --json)
+    fits = {
+        (x.shape.replicas, x.shape.cfg, x.shape.ulysses) for x in plan.candidates if x.shape.shard == "none" and x.fits
+    }
+    listed = [
+        x
+        for x in plan.candidates
+        if x.shape.shard == "none" or (x.shape.replicas, x.shape.cfg, x.shape.ulysses) not in fits
+    ]
+    shown = [c, *[x for x in listed if x is not c][: top - 1]]  # the chosen first, then by time
+    for x in shown:
+        why = x.why or ("chosen" if x is c else f"{x.time / c.time:.2f}x the chosen's time")
+        if x.why == "" and x.shape.replicas > 1 and plan.objective == "latency":
+            why += f"; replicas: {x.requests_per_second / c.requests_per_second:.2f}x the requests/s"
+        mark = "*" if x is c else " "
+        lines.append(
+            f"{mark}{x.shape.describe():<51} {x.time * 1e3:>10.4g} {gib(x.memory):>12}  "
+            f"{'yes' if x.feasible else 'no':<8}  {why}"
+        )
+    if len(listed) > len(shown):
+        lines.append(f"  ... {len(listed) - len(shown)} more (--top N); --json lists all, sharded variants included")
+    lines += ["", "why:", *(f"  - {r}" for r in plan.reasons)]
+    return "\n".join(lines)

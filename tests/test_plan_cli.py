@@ -1,0 +1,105 @@
+"""`distvideo plan`: the layout the engine would choose, the alternatives and why; bad input exits 2 naming the option,
+before torch is imported or any weight is read; `--layout` as a flag and a config key."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from distvideo.cli.main import main
+from distvideo.config import EngineConfig
+from distvideo.executors import resolve_engine
+
+
+def test_plan_prints_the_choice_the_alternatives_and_why(capsys):
+    assert main(["plan", "--num-gpus", "4", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "chosen (latency): cfg 2 x ulysses 2 x ring 1: est." in out
+    assert "as flags: --replicas 1 --cfg-parallel --ulysses-size 2 --ring-size 1 --shard-weights none" in out
+    assert "layout" in out and "ms/step" in out and "memory/rank" in out and "feasible" in out
+    rows = [line for line in out.splitlines() if line.startswith(("*", " cfg", " replicas"))]
+    assert rows[0].startswith("*cfg 2 x ulysses 2 x ring 1") and len(rows) > 3
+    assert "\nwhy:\n" in out and "guided (two branches)" in out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 6, 8])
+def test_plan_says_what_the_engine_runs(world, capsys):
+    assert main(["plan", "--num-gpus", str(world), "--device", "cpu", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    layout = resolve_engine(EngineConfig(num_gpus=world, executor="mp", device="cpu"), environ={}).layout
+    chosen = plan["chosen"]
+    assert (chosen["cfg"], chosen["ulysses"], chosen["ring"], chosen["replicas"]) == (
+        layout.cfg_degree,
+        layout.ulysses_size,
+        layout.ring_size,
+        layout.replicas,
+    )
+    assert plan["world"] == world and len(plan["candidates"]) >= 1 and plan["reasons"]
+
+
+def test_plan_across_nodes_and_for_throughput(capsys):
+    args = ["plan", "--num-gpus", "8", "--nodes", "2", "--device", "cuda", "--memory-gib", "80"]
+    assert main([*args, "--json", "--height", "480", "--width", "832", "--num-frames", "81"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["nodes"] == 2 and plan["hardware"]["ranks_per_node"] == 4
+    assert plan["request"] == {"num_frames": 81, "height": 480, "width": 832, "guidance_scale": 5.0}
+    assert main([*args, "--objective", "throughput", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["chosen"]["replicas"] > 1  # the tiny model: replicas pay
+
+
+BAD = [
+    (["--num-gpus", "0"], "--num-gpus 0"),
+    (["--num-gpus", "8", "--nodes", "3"], "--nodes 3"),
+    (["--num-gpus", "2", "--memory-gib", "0"], "--memory-gib 0"),
+    (["--num-gpus", "2", "--height", "33"], "height=33"),
+    (["--num-gpus", "2", "--num-frames", "8"], "num_frames=8"),
+    (["--num-gpus", "2", "--model", "/nonexistent/model"], "--model"),
+    (["--num-gpus", "2", "--objective", "fastest"], "--objective"),
+    ([], "--num-gpus"),
+]
+
+
+@pytest.mark.parametrize(("argv", "named"), BAD, ids=[n for _, n in BAD])
+@pytest.mark.usefixtures("no_weights_loaded")
+def test_bad_input_exits_2_naming_the_option(argv, named, capsys):
+    assert main(["plan", *argv]) == 2
+    assert named in capsys.readouterr().err
+
+
+NO_TORCH_PROBE = """
+import sys
+from distvideo.cli.main import main
+code = main(sys.argv[1:])
+heavy = sorted(m for m in ("torch", "diffusers", "transformers", "fastapi") if m in sys.modules)
+print(code, ",".join(heavy) or "none")
+"""
+
+
+@pytest.mark.parametrize(
+    ("argv", "code"),
+    [(["plan", "--num-gpus", "4"], 0), (["plan", "--num-gpus", "4", "--nodes", "3"], 2)],
+    ids=["plan", "bad-nodes"],
+)
+def test_plan_never_imports_torch(argv, code):
+    proc = subprocess.run([sys.executable, "-c", NO_TORCH_PROBE, *argv], capture_output=True, text=True, timeout=60)
+    got, heavy = proc.stdout.strip().splitlines()[-1].split()
+    assert (int(got), heavy) == (code, "none"), proc.stderr
+
+
+def test_layout_flag_and_config_key(tmp_path, capsys):
+    from distvideo.cli.arguments import engine_config_from_args
+    from distvideo.cli.main import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["generate", "--prompt", "x", "--layout", "rules"])
+    assert engine_config_from_args(args)[0].layout == "rules"
+    assert engine_config_from_args(parser.parse_args(["generate", "--prompt", "x"]))[0].layout == "auto"
+    config = tmp_path / "engine.yaml"
+    config.write_text("engine:\n  layout: rules\n")
+    assert engine_config_from_args(parser.parse_args(["generate", "--config", str(config)]))[0].layout == "rules"
+    config.write_text("engine:\n  layout: fastest\n")
+    assert main(["generate", "--prompt", "x", "--config", str(config)]) == 2
+    assert "layout='fastest' is not supported; choose one of auto, rules" in capsys.readouterr().err
