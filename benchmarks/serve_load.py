@@ -1,15 +1,20 @@
 """Load on `distvideo serve`: C concurrent clients submit J jobs in all, one at a time each: a client follows its job
 to the end before submitting the next; a 429 is that job's answer (counted, not retried: the client waits Retry-After
-before its next job). Every status call made while the client's job was generating is timed; with `first_event`, each
-client also opens the job's event stream right after submitting and times its first event from the submission.
+before its next job). Every status call a client makes (every `poll_s` from its submission to the job's end) is timed.
+With `first_event`, each client also follows the job's event stream from right after the POST returned: its first
+event is timed from that moment (the latency after submission) and from before the POST, and the stream's `started`
+and final events say when each replica was busy, so the status calls made while every replica ran a job are reported
+apart. Each client makes one untimed call first, so the client library's own lazy imports and connection set-up are
+not counted as the server's latency.
 
     .venv/bin/python benchmarks/serve_load.py                       # an inline server on the tiny random-weight model, port 0
     .venv/bin/python benchmarks/serve_load.py --url http://127.0.0.1:8000 --clients 10 --jobs 40
     .venv/bin/python benchmarks/serve_load.py --compare-replicas    # 2 mp ranks: --replicas 2 vs 1, 16 jobs, 8 clients
 
 Prints one JSON report: jobs accepted / refused with 429 / completed / failed / lost / run more than once (a job whose
-event history starts twice), duplicated ids, jobs per second, the status latency while generating (p50, p90, p99, max
-in ms) and the first event's latency. Clients use the official OpenAI SDK (`openai`) when it is installed (`--client
+event history starts twice), duplicated ids, jobs per second, the status latency (samples, p50, p90, p99, max in ms)
+while the client's own job generated and, with `first_event`, while every replica was busy, the POST's latency, and
+the first event's latency after the POST returned and from before it. Clients use the official OpenAI SDK (`openai`) when it is installed (`--client
 openai`), else httpx. tests/test_serving_load.py runs the same function. Figures belong in docs/BENCHMARKS.md with the
 command and the machine, measured on a machine that is not busy.
 """
@@ -27,6 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +70,9 @@ class _HttpxClient:
         text = response.json()["id"] if response.status_code == 200 else response.text[:200]
         return response.status_code, text, float(response.headers.get("retry-after", 1))
 
+    def warm_up(self) -> None:
+        self.http.get("/v1/models").raise_for_status()
+
     def status(self, job_id: str) -> str:
         return str(self.http.get(f"/v1/videos/{job_id}").json()["status"])
 
@@ -89,6 +98,12 @@ class _OpenAIClient:
         except self.openai.APIStatusError as exc:
             return exc.status_code, str(exc)[:200], float(exc.response.headers.get("retry-after", 1))
 
+    def warm_up(self) -> None:
+        """The SDK imports its videos resource on first use (about 40 ms, under the import lock every client thread
+        shares): done here, with the connection opened, before anything is timed."""
+        assert self.client.videos is not None
+        self.client.models.list()
+
     def status(self, job_id: str) -> str:
         return str(self.client.videos.retrieve(job_id).status)
 
@@ -100,14 +115,53 @@ def default_client() -> str:
     return "openai" if importlib.util.find_spec("openai") is not None else "httpx"
 
 
-def _first_event_ms(http: httpx.Client, job_id: str, submitted: float) -> float:
-    """Milliseconds from the job's submission until its event stream delivered its first event (on the client's own
-    connection, opened before: a new client's set-up is not the server's latency)."""
+@dataclass
+class _Followed:
+    """What a job's event stream showed, in `time.perf_counter()` seconds: its first event, when it started (on which
+    replica) and when it ended (None: not seen)."""
+
+    first: float | None = None
+    started: float | None = None
+    replica: int = 0
+    ended: float | None = None
+
+
+def _follow(http: httpx.Client, job_id: str, seen: _Followed) -> None:
+    """Read the job's event stream to its end (on the client's own connection, opened before: a new connection's
+    set-up is not the server's latency), noting the times in `seen`."""
     with http.stream("GET", f"/v1/videos/{job_id}/events") as response:
         for line in response.iter_lines():
-            if line.startswith("data:"):
-                return (time.perf_counter() - submitted) * 1000
-    return float("nan")
+            if not line.startswith("data:"):
+                continue
+            now = time.perf_counter()
+            seen.first = seen.first or now
+            event = json.loads(line[len("data:") :])
+            if event["type"] == "started":
+                seen.started, seen.replica = now, int(event.get("replica", 0))
+            elif event["type"] in ("completed", "failed"):
+                seen.ended = now
+
+
+def _all_busy(followed: list[_Followed], replicas: int) -> list[tuple[float, float]]:
+    """The intervals in which every one of `replicas` replicas ran a job (from the streams' started and end events)."""
+    edges = sorted(
+        (t, step, f.replica)
+        for f in followed
+        if f.started is not None and f.ended is not None
+        for t, step in ((f.started, 1), (f.ended, -1))
+    )
+    busy: dict[int, int] = {}
+    intervals: list[tuple[float, float]] = []
+    since: float | None = None
+    for t, step, replica in edges:
+        busy[replica] = busy.get(replica, 0) + step
+        every = sum(n > 0 for n in busy.values()) >= replicas
+        if every and since is None:
+            since = t
+        elif not every and since is not None:
+            intervals.append((since, t))
+            since = None
+    return intervals
 
 
 def _starts(url: str, headers: dict[str, str], job_id: str) -> int:
@@ -127,6 +181,7 @@ def run_load(
     timeout_s: float = 900.0,
     client: str = "httpx",
     first_event: bool = False,
+    replicas: int = 1,
 ) -> dict[str, Any]:
     body = dict(body or JOB)
     headers = dict(headers or {})
@@ -137,14 +192,17 @@ def run_load(
     refused: list[int] = []
     errors: list[str] = []
     final: dict[str, str] = {}
-    latencies_ms: list[float] = []
-    first_events_ms: list[float] = []
+    calls: list[tuple[float, float, str]] = []  # every status call: (when it started, ms, the status it read)
+    posts_ms: list[float] = []
+    followed: dict[str, tuple[float, float, _Followed]] = {}  # job id -> (before the POST, POST returned, stream)
     deadline = time.monotonic() + timeout_s
 
     def one_client() -> None:
         api = make(url, headers)
         events = httpx.Client(base_url=url, headers=headers, timeout=120.0)
         try:
+            api.warm_up()
+            events.get("/health")  # opens the stream's connection
             while True:
                 with lock:
                     index = next(next_job, None)
@@ -152,6 +210,7 @@ def run_load(
                     return
                 submitted = time.perf_counter()
                 code, job_id, retry_after = api.submit({**body, "seed": index})
+                returned = time.perf_counter()
                 if code == 429:  # that job's answer; the client waits as told before its next one
                     with lock:
                         refused.append(index)
@@ -161,24 +220,26 @@ def run_load(
                     with lock:
                         errors.append(f"job {index}: POST {code} {job_id}")
                     continue
+                seen = _Followed()
                 with lock:
                     accepted.append(job_id)
+                    posts_ms.append((returned - submitted) * 1000)
+                    followed[job_id] = (submitted, returned, seen)
+                reader = threading.Thread(target=_follow, args=(events, job_id, seen), daemon=True)
                 if first_event:
-                    waited = _first_event_ms(events, job_id, submitted)
-                    with lock:
-                        first_events_ms.append(waited)
+                    reader.start()
                 while time.monotonic() < deadline:
                     start = time.perf_counter()
                     status = api.status(job_id)
-                    elapsed_ms = (time.perf_counter() - start) * 1000
-                    if status == "in_progress":
-                        with lock:
-                            latencies_ms.append(elapsed_ms)
+                    with lock:
+                        calls.append((start, (time.perf_counter() - start) * 1000, status))
                     if status in ("completed", "failed"):
                         with lock:
                             final[job_id] = status
                         break
                     time.sleep(poll_s)
+                if first_event:
+                    reader.join(timeout=max(0.0, deadline - time.monotonic()))
         finally:
             api.close()
             events.close()
@@ -192,7 +253,7 @@ def run_load(
     wall = time.monotonic() - started
     statuses = list(final.values())
     starts = [_starts(url, headers, job_id) for job_id in final] if first_event else []
-    return {
+    report = {
         "client": client,
         "clients": clients,
         "jobs_submitted": jobs,
@@ -207,9 +268,21 @@ def run_load(
         "run_twice": sum(n > 1 for n in starts),
         "wall_s": round(wall, 2),
         "jobs_per_s": round(statuses.count("completed") / wall, 3) if wall > 0 else float("nan"),
-        "status_latency_while_generating_ms": _summary(latencies_ms),
-        "first_event_ms": _summary(first_events_ms),
+        "post_ms": _summary(posts_ms),
+        "status_latency_while_generating_ms": _summary([ms for _, ms, status in calls if status == "in_progress"]),
     }
+    if first_event:
+        busy = _all_busy([seen for _, _, seen in followed.values()], replicas)
+        during = [ms for t, ms, _ in calls if any(a <= t < b for a, b in busy)]
+        firsts = [(seen.first, before, after) for before, after, seen in followed.values() if seen.first is not None]
+        report |= {
+            "replicas": replicas,
+            "all_replicas_busy_s": round(sum(b - a for a, b in busy), 2),
+            "status_latency_all_replicas_busy_ms": _summary(during),
+            "first_event_after_post_ms": _summary([(first - after) * 1000 for first, _, after in firsts]),
+            "first_event_from_before_post_ms": _summary([(first - before) * 1000 for first, before, _ in firsts]),
+        }
+    return report
 
 
 @contextmanager
@@ -244,7 +317,9 @@ def compare_replicas(clients: int, jobs: int, client: str, ranks: int = 2) -> di
     for replicas in (1, ranks):
         engine = ("--executor", "mp", "--num-gpus", str(ranks), "--replicas", str(replicas))
         with local_server(max_queue=jobs, engine=engine) as url:
-            report = run_load(url, clients=clients, jobs=jobs, body=REPLICA_JOB, client=client, first_event=True)
+            report = run_load(
+                url, clients=clients, jobs=jobs, body=REPLICA_JOB, client=client, first_event=True, replicas=replicas
+            )
         report.pop("accepted_ids")
         reports[f"replicas_{replicas}"] = report
     one, many = reports["replicas_1"]["jobs_per_s"], reports[f"replicas_{ranks}"]["jobs_per_s"]
