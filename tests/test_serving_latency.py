@@ -2,12 +2,17 @@
 `benchmarks/serve_load.py --compare-replicas`'s, in docs/BENCHMARKS.md, never asserted here):
 
 - a status read never waits for a store write: a write that waits for the database (another process holds its lock,
-  as a slow disk or a writer put aside by the OS would make it wait) must not hold a read, here or on the event loop.
+  as a slow disk or a writer put aside by the OS would make it wait) must not hold a read, here or on the event loop;
+- the first request of each kind imports nothing: a module imported on the event loop holds every other request
+  meanwhile (the first event stream imported anyio's asyncio backend there, in the burst of the first submissions).
 """
 
 from __future__ import annotations
 
+import json
 import sqlite3
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -57,3 +62,55 @@ def test_a_status_read_does_not_wait_for_a_write_that_waits_for_the_database(tmp
     record = store.get("video_a")
     assert record is not None and record.status == "in_progress"  # the write went through once the lock was free
     store.close()
+
+
+# A server front end with no engine loop (jobs stay queued), in a fresh interpreter: which modules does the first
+# request of each kind import? The client is the standard library's, imported before the count starts.
+FIRST_REQUESTS = r"""
+import encodings.idna, http.client, json, stringprep, sys, tempfile, time  # the client's (getaddrinfo encodes with idna)
+from distvideo.config import EngineConfig
+from distvideo.executors import resolve_engine
+from distvideo.models.embedded import tiny_model_path
+from distvideo.serving.options import ServeOptions
+from distvideo.serving.server import Frontend
+
+engine = resolve_engine(EngineConfig(model=str(tiny_model_path()), executor="inline"))
+options = ServeOptions(port=0, output=tempfile.mkdtemp(), max_queue=8)
+front = Frontend(engine, options, {})
+front.start_http(engine, options)
+front.service.set_ready()
+while not front.http.server.started:  # uvicorn's own start (it imports its protocol modules) is not a request's
+    time.sleep(0.01)
+host, port = front.sock.getsockname()[:2]
+imported = {}
+
+def first(label, method, path, body=None):
+    before = set(sys.modules)
+    connection = http.client.HTTPConnection(host, port, timeout=60)
+    connection.request(method, path, body=body, headers={"Content-Type": "application/json"} if body else {})
+    response = connection.getresponse()
+    data = response.readline() if label == "events" else response.read()
+    while label == "events" and not data.startswith(b"data:"):
+        data = response.readline()
+    connection.close()
+    imported[label] = sorted(set(sys.modules) - before)
+    return data
+
+first("health", "GET", "/health")
+video = json.loads(first("create", "POST", "/v1/videos", json.dumps({"prompt": "a boat", "size": "48x32"})))
+first("status", "GET", f"/v1/videos/{video['id']}")
+first("events", "GET", f"/v1/videos/{video['id']}/events")
+first("list", "GET", "/v1/videos")
+front.close()
+print(json.dumps(imported))
+"""
+
+
+def test_the_first_request_of_each_kind_imports_nothing():
+    done = subprocess.run(
+        [sys.executable, "-c", FIRST_REQUESTS], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    imported = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(imported) == {"health", "create", "status", "events", "list"}, imported
+    assert {label: modules for label, modules in imported.items() if modules} == {}
