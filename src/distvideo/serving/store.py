@@ -174,8 +174,9 @@ class JobStore:
 
     # -- reads -----------------------------------------------------------------------------------
     def get(self, job_id: str) -> JobRecord | None:
-        row = self._reader().execute("SELECT * FROM videos WHERE id=?", (job_id,)).fetchone()
-        return None if row is None else _record(row)
+        # fetchall: the statement is done when this returns, so no read stays open to hold back a WAL checkpoint
+        rows = self._reader().execute("SELECT * FROM videos WHERE id=?", (job_id,)).fetchall()
+        return _record(rows[0]) if rows else None
 
     def page(self, *, limit: int, after: str | None = None, newest_first: bool = True) -> tuple[list[JobRecord], bool]:
         """Up to `limit` jobs after the job `after` (exclusive) in the chosen order, and whether more follow.
