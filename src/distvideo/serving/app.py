@@ -100,7 +100,8 @@ def create_app(ctx: AppContext) -> FastAPI:
     app.add_middleware(BodyLimit, limit=ctx.max_body_bytes)
     bearer = HTTPBearer(auto_error=False)
 
-    def authorized(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+    # async, as every dependency here: a plain `def` would run in anyio's thread pool, a thread hand-off per request
+    async def authorized(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
         if not ctx.api_keys:
             return
         if credentials is None or client_of(ctx, credentials.credentials) is None:
@@ -317,7 +318,7 @@ def _add_read_routes(app: FastAPI, ctx: AppContext, guard: Guard) -> None:
 
 
 def _add_events_route(app: FastAPI, ctx: AppContext, guard: Guard) -> None:
-    def job(video_id: str) -> JobRecord:  # a dependency: an unknown id is a 404 before the stream starts
+    async def job(video_id: str) -> JobRecord:  # a dependency: an unknown id is a 404 before the stream starts
         return _record(ctx, video_id)
 
     @app.get(

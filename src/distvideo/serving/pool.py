@@ -10,12 +10,12 @@ import dataclasses
 import json
 import logging
 import threading
-import time
 from typing import TYPE_CHECKING, Any
 
 from distvideo.executors.store import StoreChannel, connect_to
 from distvideo.serving.board import ReplicaBoard
-from distvideo.serving.jobs import STOPPING, UNHEALTHY, QueuedJob, Service
+from distvideo.serving.drain import Drain
+from distvideo.serving.jobs import UNHEALTHY, QueuedJob, Service
 from distvideo.serving.replica_loop import ReplicaSpec, cancel_key, event_key, job_key, run_replica, wait_json
 from distvideo.serving.store import JobStore
 
@@ -42,32 +42,14 @@ class ReplicaPool:
         self._sent = [0] * board.replicas
         self._running: dict[int, _Running] = {}
         self._cancelled: set[str] = set()  # jobs a DELETE asked to stop
-        self._stop_reason: str | None = None
-        self._grace = 0.0
-        self._deadline: float | None = None
+        self._drain = Drain(service, store, self._cancel_all, logger)
         self._out = connect_to(spec.address, spec.namespace)  # rank 0 -> replicas (under self._cond)
 
     # -- any thread ------------------------------------------------------------------------------
     def begin_shutdown(self, reason: str, grace: float) -> None:
         """Stop admission, fail the queued jobs, give the running ones `grace` seconds. Idempotent; the first reason
         stays, a later call may only shorten the grace."""
-        with self._cond:
-            first = self._stop_reason is None
-            self._stop_reason = self._stop_reason or reason
-            deadline = time.monotonic() + grace
-            if self._deadline is not None and self._deadline <= deadline:
-                return
-            self._deadline, self._grace = deadline, grace
-        left = self.service.close(STOPPING, f"shutting down ({reason})")
-        if first:
-            logger.info("shutting down (%s): admission stopped, %d queued job(s) failed", reason, len(left))
-        for job in left:
-            self.store.mark_failed(
-                job.id, "server_shutdown", f"the server shut down ({reason}) before this job started"
-            )
-        timer = threading.Timer(grace, self._cancel_all)
-        timer.daemon = True
-        timer.start()
+        self._drain.begin(reason, grace)
 
     def cancel(self, job_id: str) -> bool:
         """A client's DELETE of a running job: its replica stops it at the next step. False if it is not running (yet:
@@ -187,8 +169,7 @@ class ReplicaPool:
         if kind == "progress":
             done, total = int(event["done"]), int(event["total"])
             self.store.set_progress(job_id, min(99, done * 100 // max(total, 1)), step=done, steps=total)
-            deadline = self._deadline
-            if deadline is not None and time.monotonic() >= deadline:
+            if self._drain.late():
                 self._cancel_all()
             return
         timings: dict[str, float] = {}
@@ -216,10 +197,7 @@ class ReplicaPool:
                 by_client = job_id in self._cancelled
             if by_client:
                 return "cancelled", f"cancelled by a DELETE request ({error})"
-            if self._stop_reason is not None:
-                return "server_shutdown", (
-                    f"the server shut down ({self._stop_reason}) and the job did not finish within the grace period "
-                    f"of {self._grace:g} s ({error})"
-                )
+            if (stopping := self._drain.why_stopped(error)) is not None:
+                return stopping
         code = ERROR_CODES.get(error_type, "generation_failed")
         return code, error if code != "generation_failed" else f"{error_type}: {error}"

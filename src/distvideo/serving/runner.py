@@ -22,7 +22,8 @@ from distvideo.request import GenerationRequest
 from distvideo.serving.adapters import Adapters
 from distvideo.serving.board import ReplicaBoard
 from distvideo.serving.channel import JobChannel
-from distvideo.serving.jobs import STOPPING, UNHEALTHY, QueuedJob, Service
+from distvideo.serving.drain import Drain
+from distvideo.serving.jobs import UNHEALTHY, QueuedJob, Service
 from distvideo.serving.store import JobStore
 
 if TYPE_CHECKING:
@@ -49,32 +50,13 @@ class EngineLoop:
         self.gen, self.service, self.store, self.adapters, self.channel = gen, service, store, adapters, channel
         self.board = board or ReplicaBoard(1)
         self.broken: BaseException | None = None
-        self._lock = threading.Lock()
-        self._stop_reason: str | None = None
-        self._grace = 0.0
-        self._deadline: float | None = None  # once stopping: when the running job is cancelled
+        self._drain = Drain(service, store, self._cancel_if_late, logger)
 
     # -- any thread ------------------------------------------------------------------------------
     def begin_shutdown(self, reason: str, grace: float) -> None:
         """Stop admission, fail the queued jobs, give the running one `grace` seconds. Idempotent; the first reason
         stays, a later call may only shorten the grace."""
-        with self._lock:
-            first = self._stop_reason is None
-            self._stop_reason = self._stop_reason or reason
-            deadline = time.monotonic() + grace
-            if self._deadline is not None and self._deadline <= deadline:
-                return
-            self._deadline, self._grace = deadline, grace
-        left = self.service.close(STOPPING, f"shutting down ({reason})")
-        if first:
-            logger.info("shutting down (%s): admission stopped, %d queued job(s) failed", reason, len(left))
-        for job in left:
-            self.store.mark_failed(
-                job.id, "server_shutdown", f"the server shut down ({reason}) before this job started"
-            )
-        timer = threading.Timer(grace, self._cancel_if_late)
-        timer.daemon = True
-        timer.start()
+        self._drain.begin(reason, grace)
 
     def cancel(self, job_id: str) -> bool:
         """A client's DELETE of the running job: stop it at its next denoising step. False if it is not running."""
@@ -100,7 +82,7 @@ class EngineLoop:
         finally:
             idle_watch.set()
             if self.channel is not None and self.broken is None:
-                missing = self.channel.stop_everyone(self._stop_reason or "stopped")
+                missing = self.channel.stop_everyone(self._drain.reason or "stopped")
                 if missing:
                     logger.warning("ranks %s did not confirm the stop", missing)
             if self.channel is not None:
@@ -141,18 +123,14 @@ class EngineLoop:
     def _progress(self, job_id: str, done: int, total: int) -> None:
         percent = min(99, done * 100 // max(total, 1))  # 100 once the file is written
         self.store.set_progress(job_id, percent, step=done, steps=total)
-        deadline = self._deadline
-        if self.service.cancel_requested(job_id) or (deadline is not None and time.monotonic() >= deadline):
+        if self.service.cancel_requested(job_id) or self._drain.late():
             self.gen.cancel()  # inside the request: it stops after this step on every rank
 
     def _why_stopped(self, job_id: str, exc: GenerationCancelled) -> tuple[str, str]:
         if self.service.cancel_requested(job_id):
             return "cancelled", f"cancelled by a DELETE request ({exc})"
-        if self._stop_reason is not None:
-            return "server_shutdown", (
-                f"the server shut down ({self._stop_reason}) and the job did not finish within the grace period of "
-                f"{self._grace:g} s ({exc})"
-            )
+        if (stopping := self._drain.why_stopped(exc)) is not None:
+            return stopping
         if isinstance(exc, GenerationTimeout):
             return "timeout", str(exc)
         return "cancelled", str(exc)

@@ -61,18 +61,38 @@ class JobRecord:
 
 
 class JobStore:
-    """Thread-safe access to the store: one connection, one lock; every call is one short transaction."""
+    """Thread-safe access to the store. Writes go through one connection under one lock, each one short transaction;
+    reads use a connection of the reading thread's own and take no lock: in SQLite's WAL mode a reader sees the last
+    committed state without waiting for a writer, so a status read on the HTTP event loop never waits for a progress
+    write of another thread (one that is slow, or whose thread the OS has put aside while it held the lock)."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)
-        self._db.row_factory = sqlite3.Row
+        self._db = self._connect()
         self._watchers: list[Callable[..., None]] = []
+        self._local = threading.local()
+        self._readers: list[sqlite3.Connection] = []
+        self._readers_lock = threading.Lock()
         with self._lock:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.execute(_SCHEMA)
+
+    def _connect(self) -> sqlite3.Connection:
+        db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)
+        db.row_factory = sqlite3.Row
+        return db
+
+    def _reader(self) -> sqlite3.Connection:
+        """This thread's read connection (opened on its first read)."""
+        db: sqlite3.Connection | None = getattr(self._local, "db", None)
+        if db is None:
+            db = self._local.db = self._connect()
+            db.execute("PRAGMA query_only=ON")
+            with self._readers_lock:
+                self._readers.append(db)
+        return db
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
@@ -154,33 +174,40 @@ class JobStore:
 
     # -- reads -----------------------------------------------------------------------------------
     def get(self, job_id: str) -> JobRecord | None:
-        with self._lock:
-            row = self._db.execute("SELECT * FROM videos WHERE id=?", (job_id,)).fetchone()
-        return None if row is None else _record(row)
+        # fetchall: the statement is done when this returns, so no read stays open to hold back a WAL checkpoint
+        rows = self._reader().execute("SELECT * FROM videos WHERE id=?", (job_id,)).fetchall()
+        return _record(rows[0]) if rows else None
 
     def page(self, *, limit: int, after: str | None = None, newest_first: bool = True) -> tuple[list[JobRecord], bool]:
         """Up to `limit` jobs after the job `after` (exclusive) in the chosen order, and whether more follow.
         KeyError if `after` is not a job."""
-        with self._lock:
+        db = self._reader()
+        db.execute("BEGIN")  # one snapshot for both queries
+        try:
             where, args = "", []
             if after is not None:
-                row = self._db.execute("SELECT seq FROM videos WHERE id=?", (after,)).fetchone()
+                row = db.execute("SELECT seq FROM videos WHERE id=?", (after,)).fetchone()
                 if row is None:
                     raise KeyError(after)
                 where, args = ("WHERE seq < ?" if newest_first else "WHERE seq > ?"), [row["seq"]]
             order = "DESC" if newest_first else "ASC"
-            rows = self._db.execute(
+            rows = db.execute(
                 f"SELECT * FROM videos {where} ORDER BY seq {order} LIMIT ?", (*args, limit + 1)
             ).fetchall()
+        finally:
+            db.execute("COMMIT")
         return [_record(r) for r in rows[:limit]], len(rows) > limit
 
     def counts(self) -> dict[str, int]:
-        with self._lock:
-            rows = self._db.execute("SELECT status, COUNT(*) AS n FROM videos GROUP BY status").fetchall()
+        rows = self._reader().execute("SELECT status, COUNT(*) AS n FROM videos GROUP BY status").fetchall()
         found = {row["status"]: int(row["n"]) for row in rows}
         return {status: found.get(status, 0) for status in STATUSES}
 
     def close(self) -> None:
+        with self._readers_lock:
+            for db in self._readers:
+                db.close()
+            self._readers.clear()
         with self._lock:
             self._db.close()
 
