@@ -109,6 +109,12 @@ def flags(shape: Any) -> str:
     )
 
 
+def milliseconds(seconds: float) -> str:
+    """A time per step in ms as a person reads it: 12.2, 480 or 46,380 (no exponent)."""
+    ms = seconds * 1e3
+    return f"{ms:,.0f}" if ms >= 100 else f"{ms:.3g}"
+
+
 def plan_json(plan: Any, header: dict[str, Any]) -> dict[str, Any]:
     def row(c: Any) -> dict[str, Any]:
         return {
@@ -142,7 +148,7 @@ def plan_text(plan: Any, header: dict[str, Any], top: int) -> str:
         f"docs/parallel.md): {hw['flops'] / 1e12:.3g} TFLOP/s, {gib(hw['memory_bytes'])} per rank, links "
         f"{hw['intra_bandwidth'] / 1e9:.3g} / {hw['inter_bandwidth'] / 1e9:.3g} GB/s inside / across nodes",
         "",
-        f"chosen ({plan.objective}): {c.shape.describe()}: est. {c.time * 1e3:.4g} ms/step, {gib(c.memory)} per rank",
+        f"chosen ({plan.objective}): {c.shape.describe()}: est. {milliseconds(c.time)} ms/step, {gib(c.memory)} per rank",
         f"  as flags: {flags(c.shape)}",
         "",
         f"{'layout':<52} {'ms/step':>10} {'memory/rank':>12}  {'feasible':<8}  why",
@@ -163,7 +169,7 @@ def plan_text(plan: Any, header: dict[str, Any], top: int) -> str:
             why += f"; replicas: {x.requests_per_second / c.requests_per_second:.2f}x the requests/s"
         mark = "*" if x is c else " "
         lines.append(
-            f"{mark}{x.shape.describe():<51} {x.time * 1e3:>10.4g} {gib(x.memory):>12}  "
+            f"{mark}{x.shape.describe():<51} {milliseconds(x.time):>10} {gib(x.memory):>12}  "
             f"{'yes' if x.feasible else 'no':<8}  {why}"
         )
     if len(listed) > len(shown):
