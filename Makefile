@@ -1,8 +1,6 @@
 # Quick start: `make demo` (set up .venv, generate a video with the embedded demo model) and `make test`.
 VENV := .venv
 PY := $(VENV)/bin/python
-# pytest's worker processes (pytest-xdist; tests/conftest.py groups the tests): 2 suits the 2-core CI machine
-PYTEST_WORKERS ?= 2
 SRC := src/distvideo
 
 .PHONY: setup system-deps demo test test-fast lint typecheck pytest clean
@@ -24,7 +22,7 @@ typecheck: setup
 	$(VENV)/bin/mypy $(SRC)
 
 pytest: setup system-deps
-	$(PY) -m pytest -q --durations=40 -n $(PYTEST_WORKERS) --dist loadgroup tests
+	$(PY) -m pytest -q --durations=40 tests
 
 test: setup system-deps lint typecheck pytest
 
