@@ -45,41 +45,6 @@ ONLY_GPU_MAY_SKIP = (
 ONEDNN_MACHINES = ("x86_64", "amd64", "aarch64", "arm64")  # CPUs oneDNN supports: every torch build there has it
 
 
-# --- two workers (pytest-xdist, `make pytest`) ---------------------------------------------------------------------
-# Tests run on two worker processes: most of the suite's time is launched ranks waiting on each other, starting
-# interpreters or sleeping through a grace period, which leaves a 2-core machine a third idle with one worker. A test
-# file stays on one worker (its module fixtures run once); the files that use this session's local Slurm run on one
-# worker (one private cluster: srun jobs of two clusters could derive the same MASTER_PORT from their job ids), and so
-# do the files that use the local Ray cluster. Those two groups are the largest, so they are handed out first.
-SHARED_CLUSTERS = {"slurm": "local Slurm", "ray_cluster": "local Ray"}
-
-
-def _cluster_of(item: pytest.Item) -> str | None:
-    """The shared cluster a test's file uses: a test marked `slurm`, or a module holding a cluster's fixture (imported
-    there to register it; a test may ask for it through `request.getfixturevalue`)."""
-    module = getattr(item, "module", None)
-    if item.get_closest_marker("slurm") is not None or hasattr(module, "local_slurm"):
-        return "slurm"
-    return "ray_cluster" if hasattr(module, "session_cluster") else None
-
-
-def group_items_by_file_and_cluster(items: list[pytest.Item]) -> None:
-    """Mark each test with its xdist group (its file, or the cluster one of its file's tests uses) and move the
-    cluster groups to the front, keeping the order within each group."""
-    group_of_file: dict[str, str] = {}
-    for item in items:
-        cluster = _cluster_of(item)
-        if cluster is not None:
-            group_of_file[item.path.name] = cluster
-    rank = {cluster: position for position, cluster in enumerate(SHARED_CLUSTERS)}
-    keyed = []
-    for position, item in enumerate(items):
-        group = group_of_file.get(item.path.name, item.path.name)
-        item.add_marker(pytest.mark.xdist_group(group))
-        keyed.append((rank.get(group, len(rank)), position, item))
-    items[:] = [item for _, _, item in sorted(keyed, key=lambda k: k[:2])]
-
-
 # --- the skip rule --------------------------------------------------------------------------------------------------
 def _may_skip(item: pytest.Item) -> bool:
     import platform
@@ -89,11 +54,8 @@ def _may_skip(item: pytest.Item) -> bool:
     return item.get_closest_marker("onednn") is not None and platform.machine().lower() not in ONEDNN_MACHINES
 
 
-@pytest.hookimpl(tryfirst=True)  # after pytest-randomly's shuffle (a wrapper), before xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     import platform
-
-    group_items_by_file_and_cluster(items)
 
     machine = platform.machine().lower()
     for item in items:
