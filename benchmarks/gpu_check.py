@@ -48,7 +48,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-PHASES = ("build", "parity_diffusers", "parity_executors", "bench", "offload", "compile")
+PHASES = ("build", "parity_diffusers", "parity_executors", "bench", "layout_estimate", "caching", "offload", "compile")
 WATCHDOG_GRACE_S = 15.0
 
 
@@ -221,10 +221,11 @@ def markdown(result: dict[str, Any]) -> str:
             f"{report['matmul_peak_flops'] / 1e12:.1f} TFLOP/s ({report['env']['matmul']['dtype']}); notes: "
             + ("; ".join(report["notes"]) or "none")
         )
+    from gpu_check_more import markdown_lines as more_lines
     from gpu_check_offload import markdown_lines
 
     offload = markdown_lines(result["phases"].get("offload", {}))
-    return "\n".join([*lines, *offload, *_compile_lines(result)]) + "\n"
+    return "\n".join([*lines, *more_lines(result), *offload, *_compile_lines(result)]) + "\n"
 
 
 def _compile_lines(result: dict[str, Any]) -> list[str]:
@@ -310,7 +311,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", required=True, help="folder for gpu_check.json and gpu_check.md (created)")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny sizes, float32 (the test suite runs this)")
     parser.add_argument("--folder", help="where the checkpoints are built (default: a temp folder per mode)")
-    parser.add_argument("--budget", type=float, help="seconds for the whole run (default 450 on GPU, 400 smoke)")
+    parser.add_argument("--budget", type=float, help="seconds for the whole run (default 520 on GPU, 400 smoke)")
     parser.add_argument("--phases", help=f"comma-separated subset of {','.join(PHASES)} (build is always run)")
     parser.add_argument("--break-parity", action="store_true", help=argparse.SUPPRESS)  # tests: perturb one output
     args = parser.parse_args(argv)
@@ -323,6 +324,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    import gpu_check_more as more
     import gpu_check_phases as ph
     import torch
 
@@ -333,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     folder = Path(args.folder or Path(tempfile.gettempdir()) / f"distvideo-gpu-check-{sizes.mode}")
-    run = Run(out, sizes.mode, args.budget or (400.0 if args.smoke else 450.0))
+    run = Run(out, sizes.mode, args.budget or (400.0 if args.smoke else 520.0))
     run.log(f"gpu check ({sizes.mode}) on {run.result['environment']['gpu'] or 'CPU'}; writing {out}")
     start_watchdog(run, WATCHDOG_GRACE_S)
     budgets = sizes.budgets
@@ -351,6 +353,11 @@ def main(argv: list[str] | None = None) -> int:
     if "bench" in args.chosen:
         body = lambda g: {**ph.bench(sizes, large, g, run.log), "steps": sizes.steps}  # noqa: E731
         run_phase(run, "bench", budgets["bench"], body)
+    if "layout_estimate" in args.chosen:  # arithmetic on the bench phase's figures: no device time
+        body = lambda g: more.layout_estimate_phase(run.result, sizes, large)  # noqa: E731
+        run_phase(run, "layout_estimate", budgets["layout_estimate"], body)
+    if "caching" in args.chosen:
+        run_phase(run, "caching", budgets["caching"], lambda g: more.caching_phase(sizes, large, g, run.log))
     if "offload" in args.chosen:
         from gpu_check_offload import offload_phase
 

@@ -63,7 +63,16 @@ GPU = Sizes(
         {"num_frames": 33, "height": 480, "width": 832, "warmup": 1, "runs": 2},
         {"num_frames": 81, "height": 480, "width": 832, "warmup": 0, "runs": 1},
     ],
-    budgets={"build": 110, "parity_diffusers": 60, "parity_executors": 50, "bench": 240, "offload": 90, "compile": 150},
+    budgets={
+        "build": 110,
+        "parity_diffusers": 60,
+        "parity_executors": 50,
+        "bench": 240,
+        "layout_estimate": 10,
+        "caching": 100,
+        "offload": 90,
+        "compile": 150,
+    },
 )
 TINY_1_3B = dict(num_layers=2, num_attention_heads=2, attention_head_dim=16, ffn_dim=64, text_dim=32, vae_base_dim=8)
 SMOKE = Sizes(
@@ -79,7 +88,16 @@ SMOKE = Sizes(
         {"num_frames": 9, "height": 32, "width": 48, "warmup": 0, "runs": 1},
     ],
     # generous: on a loaded 2-core machine a phase takes several times its quiet 5-25 s; the budgets guard hangs
-    budgets={"build": 60, "parity_diffusers": 120, "parity_executors": 120, "bench": 120, "offload": 5, "compile": 5},
+    budgets={
+        "build": 60,
+        "parity_diffusers": 120,
+        "parity_executors": 120,
+        "bench": 120,
+        "layout_estimate": 10,
+        "caching": 60,
+        "offload": 5,
+        "compile": 5,
+    },
     matmul_size=128,
 )
 

@@ -54,7 +54,9 @@ def test_smoke_run_writes_every_phase(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert report["mode"] == "smoke" and report["ok"] is True and report["elapsed_s"] > 0
     phases = report["phases"]
-    assert list(phases) == ["build", "parity_diffusers", "parity_executors", "bench", "offload", "compile"]
+    assert list(phases) == [
+        "build", "parity_diffusers", "parity_executors", "bench", "layout_estimate", "caching", "offload", "compile",
+    ]  # fmt: skip
     assert all("elapsed_s" in p for p in phases.values())
 
     large = phases["build"]["large"]
@@ -79,12 +81,31 @@ def test_smoke_run_writes_every_phase(tmp_path):
     assert executors["mp"]["2"]["status"] == "ok" and executors["mp"]["2"]["max_abs_diff"] <= 2
 
     _check_bench(phases["bench"])
+    estimate = phases["layout_estimate"]
+    assert estimate["status"] == "ok" and set(estimate["shapes"]) == {"5x32x48", "9x32x48"}
+    for key, shape in estimate["shapes"].items():
+        measured = phases["bench"]["shapes"][key]["report"]["distvideo"]["stages"]["denoising_per_step"]
+        assert shape["measured_step_s"] == pytest.approx(measured, rel=1e-3) and shape["estimated_step_s"] > 0
+        assert shape["estimate_over_measured"] == pytest.approx(shape["estimated_step_s"] / measured, rel=1e-3)
+    caching = phases["caching"]
+    assert caching["status"] == "ok" and caching["shape"] == "5x32x48" and caching["steps"] == 2
+    assert len(caching["calibration"]["ratios"]) == 2  # MagCache's ratios, one per step, calibrated in the phase
+    assert list(caching["runs"]) == ["none", "first-block", "first-block 0.1", "mag"]
+    for label, run in caching["runs"].items():
+        method = label.split()[0]
+        assert run["cache"] is None if method == "none" else run["cache"]["method"] == method
+        if method != "none":  # nothing skipped at 2 steps (the first is the warm-up): the uncached frames exactly
+            assert run["status"] == "ok" and run["cache"]["skipped_steps"] == [] and run["psnr_db"] == float("inf")
+            assert run["vs_uncached"]["max_abs_diff"] == 0 and run["speedup_denoising"] > 0
     assert phases["compile"]["status"] == "skipped" and "smoke mode" in phases["compile"]["reason"]
     assert phases["offload"]["status"] == "skipped" and "smoke mode" in phases["offload"]["reason"]
     assert report["complete"] is True
 
     md = (tmp_path / "out" / "gpu_check.md").read_text()
-    for line in ("| parity_diffusers | ok |", "| parity_executors | ok |", "| offload | skipped |", "## 9x32x48"):
+    for line in (
+        "| parity_diffusers | ok |", "| parity_executors | ok |", "| offload | skipped |", "## 9x32x48",
+        "## step caching, 5x32x48, 2 steps", "| 9x32x48 | ",
+    ):  # fmt: skip
         assert line in md
     assert "phase bench: ok" in proc.stdout and "[" in proc.stdout.splitlines()[0]  # progress with elapsed time
 
