@@ -126,7 +126,8 @@ _declare(
     _choice("forkserver", "spawn"),
     "forkserver",
     "How the mp executor starts its workers: forked from a fork server that imported torch, diffusers and distvideo "
-    "once per driver process (a second executor starts in a fraction of a second), or spawned as new interpreters.",
+    "once per driver process (a second executor starts in a fraction of a second), or spawned as new interpreters. "
+    "Workers that will use CUDA are always spawned (a CUDA build of torch can initialize the driver in the fork server).",
 )
 
 # --- launcher variables (read by distvideo.launch; torchrun, Open MPI, MPICH/Intel MPI, Slurm) ---

@@ -32,6 +32,7 @@ from distvideo.executors.mp_wire import (
     remote_traceback,
 )
 from distvideo.executors.mp_worker import worker_main
+from distvideo.parallel.planner import device_kind
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
@@ -58,7 +59,7 @@ class WorkerProcesses:
         self.control = ControlBlock()  # the driver writes, the workers read between denoising steps
 
     def spawn(self) -> None:
-        ctx = mp_start.context()
+        ctx = mp_start.context(cuda=device_kind(self.engine.config.device) == "cuda")
         # A private rendezvous: a file store in a directory only this user can open (mkdtemp makes it 0700); no port
         # is chosen, released and reused, and no store listens on the network.
         self._rendezvous_dir = tempfile.mkdtemp(prefix="distvideo-rendezvous-")

@@ -15,7 +15,8 @@ worker: its environment (`DriverState`; distvideo reads its variables lazily, at
 standard output and error descriptors (a log redirected since, pytest's per-test capture), passed over the worker's pipe with SCM_RIGHTS
 (`socket.send_fds`).
 
-`DISTVIDEO_MP_START=spawn` goes back to spawning (a platform without a fork server uses it anyway).
+`DISTVIDEO_MP_START=spawn` goes back to spawning (a platform without a fork server uses it anyway, and so do workers
+that will use CUDA: see `context`).
 """
 
 from __future__ import annotations
@@ -34,9 +35,13 @@ PRELOAD = ("distvideo.executors.mp_worker", "distvideo.worker", "distvideo.media
 STDIO = (1, 2)
 
 
-def context() -> Any:  # multiprocessing's context type is not public
+def context(cuda: bool = False) -> Any:  # multiprocessing's context type is not public
+    """The start method's context: the fork server, or spawning when asked (`DISTVIDEO_MP_START=spawn`), when the
+    platform has no fork server, or when the workers will use CUDA (`cuda`): on a CUDA build of torch the libraries
+    the fork server imports can initialize the CUDA driver (seen on an H200 with torch 2.11: every forked rank failed
+    with "Cannot re-initialize CUDA in forked subprocess"), and a process forked after that cannot use the GPU."""
     method = envs.get("DISTVIDEO_MP_START")
-    if method == "forkserver" and "forkserver" not in multiprocessing.get_all_start_methods():
+    if method == "forkserver" and (cuda or "forkserver" not in multiprocessing.get_all_start_methods()):
         method = "spawn"
     ctx = multiprocessing.get_context(method)
     if method == "forkserver":

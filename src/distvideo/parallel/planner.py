@@ -16,6 +16,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from distvideo import envs
 from distvideo.config import EngineConfig
 from distvideo.errors import ConfigError
 from distvideo.models.flops import HUNYUAN15_TOKENS
@@ -59,9 +60,12 @@ def layout_is_explicit(config: EngineConfig) -> bool:
 
 def device_kind(device: str | None) -> str:
     """ "cuda" or "cpu": the requested device's type, else whether this machine has an NVIDIA driver with a GPU
-    (read from /proc, without importing torch)."""
+    (read from /proc, without importing torch) that CUDA_VISIBLE_DEVICES does not hide ("" or "-1": none)."""
     if device:
         return "cuda" if device.startswith("cuda") else "cpu"
+    visible = envs.get_raw("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return "cpu"
     gpus = Path("/proc/driver/nvidia/gpus")
     return "cuda" if gpus.is_dir() and any(gpus.iterdir()) else "cpu"
 
