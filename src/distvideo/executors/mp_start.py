@@ -37,9 +37,11 @@ STDIO = (1, 2)
 
 def context(cuda: bool = False) -> Any:  # multiprocessing's context type is not public
     """The start method's context: the fork server, or spawning when asked (`DISTVIDEO_MP_START=spawn`), when the
-    platform has no fork server, or when the workers will use CUDA (`cuda`): on a CUDA build of torch the libraries
-    the fork server imports can initialize the CUDA driver (seen on an H200 with torch 2.11: every forked rank failed
-    with "Cannot re-initialize CUDA in forked subprocess"), and a process forked after that cannot use the GPU."""
+    platform has no fork server, or when the workers will use CUDA (`cuda`). On a CUDA build of torch, importing
+    diffusers asks the driver for its devices (`diffusers.utils.torch_utils` calls `torch.accelerator.is_available()`
+    at import), and torch then refuses CUDA in every process forked afterwards: on an H200 with torch 2.11 every rank
+    forked from the fork server failed with "Cannot re-initialize CUDA in forked subprocess". A GPU rank's import time
+    is small beside its model load; the fork server is for the CPU, where ranks start often (tests, notebooks)."""
     method = envs.get("DISTVIDEO_MP_START")
     if method == "forkserver" and (cuda or "forkserver" not in multiprocessing.get_all_start_methods()):
         method = "spawn"
