@@ -32,6 +32,7 @@ from typing import Any
 import cloudpickle
 
 from distvideo import VideoGenerator
+from distvideo.bench.measure import rank_weights_mb
 from distvideo.testing.checkpoints import build_sharding_checkpoint
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -51,23 +52,12 @@ def _status_kib(field: str) -> int:
     return 0
 
 
-COMPONENTS = ("transformer", "transformer_2", "text_encoder", "image_encoder", "vae")
-
-
 def rank_memory(worker: Any, reset: bool = False) -> dict[str, float]:
-    """This rank: resident weight bytes of every loaded component, and its RSS and high-water mark, in MiB; with
-    `reset`, the high-water mark then starts again from the present resident set (Linux's clear_refs 5)."""
-    seen: set[int] = set()
-    weights = 0
-    modules = [getattr(worker.pipeline, name, None) for name in COMPONENTS]
-    for module in [m for m in modules if m is not None]:
-        for tensor in [*module.parameters(), *module.buffers()]:
-            if id(tensor) not in seen:  # the parameter itself: a DTensor's local shard is a new object each time
-                seen.add(id(tensor))
-                local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-                weights += local.numel() * local.element_size()
+    """This rank: resident weight bytes of every loaded component (`distvideo bench`'s figure), and its RSS and
+    high-water mark, in MiB; with `reset`, the high-water mark then starts again from the present resident set
+    (Linux's clear_refs 5)."""
     out = {
-        "weights_mib": weights / 2**20,
+        "weights_mib": rank_weights_mb(worker),
         "hwm_mib": _status_kib("VmHWM") / 1024,
         "rss_mib": _status_kib("VmRSS") / 1024,
     }

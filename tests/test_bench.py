@@ -189,6 +189,9 @@ def check_multi_rank_report(report: dict, executor: str) -> None:
     peaks = ours["peak_memory_mb_per_rank"]
     assert len(peaks) == 2 and all(p > 100 for p in peaks), peaks  # each rank is a process holding torch and a model
     assert ours["peak_memory_mb"] == max(peaks)
+    weights, above = ours["weights_mb_per_rank"], ours["peak_above_loaded_mb_per_rank"]
+    assert len(weights) == 2 and weights[0] == weights[1] > 0.8, weights  # unsharded: every rank holds the model
+    assert len(above) == 2 and all(0 < a < p for a, p in zip(above, peaks, strict=True)), (above, peaks)
     assert 0 < ours["mfu"] < 1 and _is_positive_number(ours["e2e_s"])
     assert len(report["runs"]) == 1 and len(report["runs"][0]["distvideo"]["peak_memory_mb_per_rank"]) == 2
     assert report["config"]["transformer_forwards"] == 4  # 2 steps x 2 branches, as on one rank
@@ -204,6 +207,36 @@ def test_bench_on_two_mp_ranks(tmp_path, tiny_model, capsys, monkeypatch):
     assert main(["bench", "--model", str(tiny_model), "--num-gpus", "2", *BENCH_2, "--json", str(out)]) == 0
     check_multi_rank_report(json.loads(out.read_text()), "mp")
     assert "skipped" in capsys.readouterr().out
+
+
+def _parameter_mb(model_dir, *components: str) -> float:
+    """MiB of the parameters (not the buffers) of the checkpoint's `components` as loaded on CPU (float32)."""
+    from diffusers import WanTransformer3DModel
+    from transformers import UMT5EncoderModel
+
+    classes = {"transformer": WanTransformer3DModel, "text_encoder": UMT5EncoderModel}
+    total = 0
+    for name in components:
+        module = classes[name].from_pretrained(str(model_dir / name), torch_dtype=torch.float32)
+        total += sum(p.numel() * p.element_size() for p in module.parameters())
+    return total / 2**20
+
+
+@pytest.mark.slow
+def test_bench_reports_the_weights_each_rank_holds_under_sharding(tmp_path, tiny_model):
+    """`--shard-weights all` over two sp ranks: each rank holds its share of the transformer's and the text
+    encoder's parameters (FSDP2 splits every one of them over the two, unevenly where a dimension is odd), the rest
+    (VAE, buffers) whole; so the two ranks together hold one rank's unsharded weights twice less those parameters
+    once, to the byte."""
+    args = [*SMALL, "--runs", "1", "--warmup", "0", "--no-progress"]
+    assert main(["bench", "--model", str(tiny_model), *args, "--json", str(tmp_path / "one.json")]) == 0
+    sharded = [*args, "--num-gpus", "2", "--sp-size", "2", "--shard-weights", "all"]
+    assert main(["bench", "--model", str(tiny_model), *sharded, "--json", str(tmp_path / "two.json")]) == 0
+    (whole,) = json.loads((tmp_path / "one.json").read_text())["distvideo"]["weights_mb_per_rank"]
+    shares = json.loads((tmp_path / "two.json").read_text())["distvideo"]["weights_mb_per_rank"]
+    assert len(shares) == 2 and all(share < whole for share in shares), (shares, whole)
+    parameters = _parameter_mb(tiny_model, "transformer", "text_encoder")
+    assert sum(shares) == pytest.approx(2 * whole - parameters, abs=1e-9), (shares, whole, parameters)
 
 
 @pytest.mark.launcher

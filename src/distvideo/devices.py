@@ -111,6 +111,21 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
 
 
+def memory_in_use_mb(device: torch.device) -> float:
+    """Memory this process holds now, in MiB, in the unit of :func:`peak_memory_mb`: CUDA memory allocated, or the
+    process's resident set on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device) / 2**20
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024.0  # kB
+    except OSError:
+        pass
+    return 0.0
+
+
 def available_memory_bytes(device: torch.device) -> int:
     """Memory a request can still take: the free memory of a CUDA device, the available RAM of the machine on CPU
     (shared by every rank on it)."""

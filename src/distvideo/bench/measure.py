@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from distvideo.bench.plan import MATMUL_SECONDS, RATIO_FIGURES, STAGES
-from distvideo.devices import component_dtypes, peak_memory_mb, reset_peak_memory
+from distvideo.devices import component_dtypes, memory_in_use_mb, peak_memory_mb, reset_peak_memory
 from distvideo.request import GenerationRequest
 
 if TYPE_CHECKING:
@@ -54,12 +54,35 @@ def default_matmul_size(device: Any) -> int:
     return 8192 if device.type == "cuda" else 1024
 
 
-def rank_reset_peak_memory(worker: Any) -> str:
-    return reset_peak_memory(worker.device)
-
-
 def rank_peak_memory_mb(worker: Any) -> float:
     return peak_memory_mb(worker.device)
+
+
+def rank_weights_mb(worker: Any) -> float:
+    """MiB of parameters and buffers this rank holds on its device between requests: of every module of its pipeline
+    (transformers, text and image encoders, VAE), under sharded weights only its shards (a DTensor's local tensor),
+    under --offload only what stays on the device."""
+    import torch
+
+    seen: set[int] = set()
+    total = 0
+    modules = [m for m in vars(worker.pipeline).values() if isinstance(m, torch.nn.Module)]
+    for module in modules:
+        for tensor in (*module.parameters(), *module.buffers()):
+            if id(tensor) in seen:  # tied weights, a module shared by two pipeline attributes
+                continue
+            seen.add(id(tensor))
+            local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+            if local.device.type == worker.device.type:
+                total += local.numel() * local.element_size()
+    return total / 2**20
+
+
+def rank_memory_start(worker: Any) -> dict[str, Any]:
+    """Before a measured run: start a new peak window (its metric's name), and what the rank holds now (its weights,
+    and all the memory in use in the peak's unit), so that the run's peak can be given above the loaded rank."""
+    metric = reset_peak_memory(worker.device)
+    return {"metric": metric, "weights_mb": rank_weights_mb(worker), "in_use_mb": memory_in_use_mb(worker.device)}
 
 
 def rank_transformer_dtype(worker: Any) -> Any:
@@ -100,9 +123,14 @@ def device_name(device: Any) -> str:
     return platform.processor() or platform.machine()
 
 
+#: the figures a run records for every rank (medians per rank over the runs)
+PER_RANK = ("peak_memory_mb_per_rank", "weights_mb_per_rank", "peak_above_loaded_mb_per_rank")
+
+
 def distvideo_run(gen: GeneratorHandle, request: GenerationRequest) -> tuple[dict[str, Any], np.ndarray | None]:
-    """One measured distvideo request on every rank: e2e wall time, stage timings, peak memory of every rank."""
-    metrics = gen.collective_rpc(rank_reset_peak_memory)
+    """One measured distvideo request on every rank: e2e wall time, stage timings, and per rank the peak memory, the
+    weights held and the peak above the loaded rank (the peak minus the memory in use before the run)."""
+    starts = gen.collective_rpc(rank_memory_start)
     start = time.perf_counter()
     result = gen.generate_request(request)
     e2e = time.perf_counter() - start
@@ -118,7 +146,9 @@ def distvideo_run(gen: GeneratorHandle, request: GenerationRequest) -> tuple[dic
         },
         "peak_memory_mb": max(peaks),
         "peak_memory_mb_per_rank": peaks,
-        "memory_metric": metrics[0],
+        "weights_mb_per_rank": [st["weights_mb"] for st in starts],
+        "peak_above_loaded_mb_per_rank": [peak - st["in_use_mb"] for peak, st in zip(peaks, starts, strict=True)],
+        "memory_metric": starts[0]["metric"],
         "cache": result.cache,  # the step cache's skipped steps (None when off)
     }
     if "compile" in t:  # --compile: seconds torch.compile spent in this request (not in denoising_per_step)
@@ -148,11 +178,10 @@ def median_record(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             out[key] = statistics.median(r[key] for r in records)
     if records and records[-1].get("cache") is not None:
         out["cache"] = records[-1]["cache"]  # the same steps every run: the decision depends on the request only
-    if all("peak_memory_mb_per_rank" in r for r in records):
-        ranks = len(records[0]["peak_memory_mb_per_rank"])
-        out["peak_memory_mb_per_rank"] = [
-            statistics.median(r["peak_memory_mb_per_rank"][i] for r in records) for i in range(ranks)
-        ]
+    for key in PER_RANK:
+        if records and all(key in r for r in records):
+            ranks = len(records[0][key])
+            out[key] = [statistics.median(r[key][i] for r in records) for i in range(ranks)]
     return out
 
 

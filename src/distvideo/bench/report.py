@@ -178,14 +178,20 @@ def format_report(report: Mapping[str, Any]) -> str:
                 line += f"{ratios[key]:>9.3f}{f'{low:.2f}-{high:.2f}':>14}"
         lines.append(line)
     check = report["check"]["frames_max_abs_diff"]
-    mem_ranks = ours.get("peak_memory_mb_per_rank") or []
     lines += [
         "",
         f"matmul peak {_flops(report['matmul_peak_flops'])}/s ({env['matmul']['dtype']} "
         f"{env['matmul']['size']}^3, {env['threads']} thread(s) per rank); MFU = transformer FLOP/s / matmul peak",
-        f"memory: {env['memory_metric']}"
-        + (f"; per rank {', '.join(f'{m:.0f}' for m in mem_ranks)} MiB" if len(mem_ranks) > 1 else ""),
+        f"memory: {env['memory_metric']}",
     ]
+    for label, key in (
+        ("peak", "peak_memory_mb_per_rank"),
+        ("weights held", "weights_mb_per_rank"),
+        ("peak above loaded", "peak_above_loaded_mb_per_rank"),
+    ):
+        per_rank = ours.get(key)
+        if per_rank:
+            lines.append(f"  {label} per rank (MiB): {', '.join(f'{m:.0f}' for m in per_rank)}")
     cache = ours.get("cache")
     if cache is not None:
         lines.append(
