@@ -1,8 +1,9 @@
 """Ring attention and USP (sp = ulysses x ring): the log-sum-exp merge against full attention (one process), and
 frames within 2 of one rank for ring 2 (mp), ring 4, ulysses 2 x ring 2, cfg 2 x ring 2, a 6-head checkpoint at sp 4
 (Ulysses 2 takes what divides the heads, ring 2 the rest), Wan2.2 TI2V-5B (per-token timesteps) at ring 4 and Wan2.2
-A14B (two experts) at cfg 2 x ring 2 (4 ranks in one torchrun launch) and cfg 2 x ulysses 2 x ring 2 (8 ranks under
-torchrun). Sizes are tiny and steps 2: 8 gloo ranks share 2 cores here.
+A14B (two experts) at cfg 2 x ring 2 (4 ranks in one srun launch over two emulated nodes, so a ring spans the nodes
+while Ulysses stays in one) and cfg 2 x ulysses 2 x ring 2 (8 ranks under torchrun). Sizes are tiny and steps 2: 8
+gloo ranks share 2 cores here.
 """
 
 from __future__ import annotations
@@ -104,7 +105,9 @@ def single_rank(models, image) -> dict[tuple[str, str], np.ndarray]:
     return frames
 
 
-def _launch(tmp: Path, engines: list[tuple], nproc: int, models: dict[str, Path], image: str) -> dict:
+def _launch(
+    tmp: Path, engines: list[tuple], nproc: int, models: dict[str, Path], image: str, launcher: str, nodes: int = 1
+) -> dict:
     cases = [
         {
             "name": name,
@@ -118,7 +121,8 @@ def _launch(tmp: Path, engines: list[tuple], nproc: int, models: dict[str, Path]
         for name, model, request, sp, cfg, ulysses, ring, _ in engines
     ]
     (tmp / "cases.json").write_text(json.dumps(cases))
-    proc = run_launcher("torchrun", [str(SCRIPT), str(tmp / "cases.json"), str(tmp)], nproc=nproc, timeout=400)
+    argv = [str(SCRIPT), str(tmp / "cases.json"), str(tmp)]
+    proc = run_launcher(launcher, argv, nproc=nproc, nodes=nodes, timeout=400)
     assert proc.returncode == 0, format_output(proc)
     return json.loads((tmp / "report.json").read_text())
 
@@ -140,15 +144,17 @@ def _check(tmp: Path, report: dict, engines: list[tuple], single_rank: dict) -> 
 
 
 @pytest.mark.launcher
+@pytest.mark.slurm
 @pytest.mark.slow
-def test_usp_layouts_on_four_ranks_match_single_rank(tmp_path, models, image, single_rank):
-    _check(tmp_path, _launch(tmp_path, FOUR_RANKS, 4, models, image), FOUR_RANKS, single_rank)
+def test_usp_layouts_on_four_srun_ranks_over_two_nodes_match_single_rank(tmp_path, models, image, single_rank):
+    report = _launch(tmp_path, FOUR_RANKS, 4, models, image, "srun", nodes=2)
+    _check(tmp_path, report, FOUR_RANKS, single_rank)
 
 
 @pytest.mark.launcher
 @pytest.mark.slow
 def test_cfg2_ulysses2_ring2_on_eight_ranks_matches_single_rank(tmp_path, models, image, single_rank):
-    _check(tmp_path, _launch(tmp_path, EIGHT_RANKS, 8, models, image), EIGHT_RANKS, single_rank)
+    _check(tmp_path, _launch(tmp_path, EIGHT_RANKS, 8, models, image, "torchrun"), EIGHT_RANKS, single_rank)
 
 
 @pytest.mark.slow
