@@ -302,3 +302,52 @@ def test_the_engine_takes_the_cost_models_choice(monkeypatch):
 def test_layout_is_a_checked_option():
     with pytest.raises(ConfigError, match="layout='best' is not supported; choose one of auto, rules"):
         EngineConfig(layout="best").validate()
+
+
+def test_many_requests_are_planned_for_throughput():
+    """A batch or a service (objective "throughput") on 4 ranks of the demo model: two replicas of cfg 2, where one
+    request alone runs fastest on cfg 2 x ulysses 2 (the test above); an explicit option still wins."""
+    config = EngineConfig(num_gpus=4, executor="mp", device="cpu")
+    layout = resolve_engine(config, environ={}, objective="throughput").layout
+    assert (layout.replicas, layout.cfg_degree, layout.ulysses_size, layout.ring_size) == (2, 2, 1, 1)
+    given = resolve_engine(dataclasses.replace(config, sp_size=2), environ={}, objective="throughput").layout
+    assert (given.replicas, given.cfg_degree, given.sp_size) == (1, 2, 2)
+
+
+def _objective_of(monkeypatch, owner, run) -> list[str]:
+    """The objective each `owner.resolve_engine` call of `run()` asked for (the call raises: nothing loads)."""
+    seen: list[str] = []
+
+    class Stop(Exception):
+        pass
+
+    def spy(config, environ=None, *, objective="latency"):
+        seen.append(objective)
+        raise Stop
+
+    monkeypatch.setattr(owner, "resolve_engine", spy)
+    try:
+        run()  # the CLI reports the exception and returns an exit code; serve() lets it through
+    except Stop:
+        pass
+    return seen
+
+
+def test_a_batch_and_a_service_ask_for_throughput(monkeypatch, tmp_path):
+    """`generate --prompts` and `serve` plan for throughput; one `generate`, and a service with request-selectable
+    adapters (one replica switches them), for latency."""
+    from distvideo import executors
+    from distvideo.cli.main import main
+    from distvideo.serving import server
+    from distvideo.serving.options import ServeOptions
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a red ball\n")
+    batch = ["generate", "--prompts", str(prompts), "--num-gpus", "4", "--output", str(tmp_path / "out")]
+    assert _objective_of(monkeypatch, executors, lambda: main(batch)) == ["throughput"]
+    one = ["generate", "--prompt", "x", "--num-gpus", "4"]
+    assert _objective_of(monkeypatch, executors, lambda: main(one)) == ["latency"]
+    config = EngineConfig(num_gpus=4)
+    assert _objective_of(monkeypatch, server, lambda: server.serve(config, ServeOptions())) == ["throughput"]
+    adapters = ServeOptions(lora_adapters={"style": "style.safetensors"})
+    assert _objective_of(monkeypatch, server, lambda: server.serve(config, adapters)) == ["latency"]

@@ -74,7 +74,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
         raise ConfigError(f"--output {folder}: with --prompts, --output is a folder for the videos and the manifest")
     args.prompt = "-"  # each item brings its own
     engine_config, defaults = configs_from_args(args)
-    engine = resolve_engine(engine_config)
+    engine = resolve_engine(engine_config, objective="throughput")  # many items: replicas count (layout auto)
     raw = read_prompt_file(args.prompts)
     _refuse_an_ignored_seed(args, raw)
     # every item checked, and the manifest read, before any process starts or weight loads

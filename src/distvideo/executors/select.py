@@ -45,9 +45,13 @@ def resolve_external_env(config: EngineConfig, environ: Mapping[str, str] | None
     return env
 
 
-def resolve_engine(config: EngineConfig, environ: Mapping[str, str] | None = None) -> ResolvedEngine:
-    """Validate `config`, read the model's JSON files and weight-file headers, choose the executor and the layout.
-    Reads no weights and starts no process; every mistake is a ConfigError (exit 2)."""
+def resolve_engine(
+    config: EngineConfig, environ: Mapping[str, str] | None = None, *, objective: str = "latency"
+) -> ResolvedEngine:
+    """Validate `config`, read the model's JSON files and weight-file headers, choose the executor and the layout
+    (with no layout option given, the cost model's best for `objective`: "latency" of one request, or "throughput"
+    of many, as a batch or a service runs them). Reads no weights and starts no process; every mistake is a
+    ConfigError (exit 2)."""
     config.validate()
     if config.model is None and envs.get("DISTVIDEO_MODEL"):
         config = dataclasses.replace(config, model=envs.get("DISTVIDEO_MODEL"))
@@ -66,7 +70,7 @@ def resolve_engine(config: EngineConfig, environ: Mapping[str, str] | None = Non
         raise ConfigError(f"executor='inline' runs one rank; num_gpus={config.num_gpus} needs executor 'mp'")
     world_size = launch.world_size if launch is not None else (config.num_gpus or 1)
     per_node = launch.local_world_size if launch is not None else world_size
-    chosen = auto_layout(config, model, world_size, per_node)
+    chosen = auto_layout(config, model, world_size, per_node, objective=objective)
     layout = chosen.layout
     if chosen.plan is not None:
         config = dataclasses.replace(config, shard_weights=chosen.shard_weights)

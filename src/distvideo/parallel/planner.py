@@ -198,10 +198,17 @@ def plan_for(
     return plan_layout(figures, wanted, hardware, world, objective=objective, can_shard=can_shard)
 
 
-def auto_layout(config: EngineConfig, model: ModelInfo, world: int, ranks_per_node: int | None = None) -> AutoLayout:
+def auto_layout(
+    config: EngineConfig,
+    model: ModelInfo,
+    world: int,
+    ranks_per_node: int | None = None,
+    objective: str = "latency",
+) -> AutoLayout:
     """The engine's layout: the options given (the rules of parallel/layout.py fill the rest), or with none given
-    the cost model's choice for the model's default request (`layout="auto"`). One rank has one layout: no plan (and
-    no header read or device query) for it."""
+    the cost model's choice for the model's default request (`layout="auto"`), by `objective`: "latency" for one
+    request at a time, "throughput" for an engine that runs many (a batch, a service: replicas count). One rank has
+    one layout: no plan (and no header read or device query) for it."""
     if layout_is_explicit(config) or world == 1:
         layout = resolve_layout(
             world,
@@ -223,6 +230,7 @@ def auto_layout(config: EngineConfig, model: ModelInfo, world: int, ranks_per_no
         dtype=config.dtype,
         can_shard=not blocked,
         text_on_device=config.offload in (None, "none"),
+        objective=objective,
     )
     s = plan.chosen.shape
     layout = ParallelLayout(
