@@ -97,18 +97,24 @@ def reset_peak_memory(device: torch.device) -> str:
         return "peak RSS of the process lifetime (VmHWM, no reset possible)"
 
 
+def _status_mb(field: str) -> float | None:
+    """A memory field of /proc/self/status (VmHWM, VmRSS) in MiB, or None where it cannot be read."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024.0  # kB
+    except OSError:
+        pass
+    return None
+
+
 def peak_memory_mb(device: torch.device) -> float:
     """Peak memory since :func:`reset_peak_memory`, in MiB: CUDA max allocated, or the process's peak RSS on CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024.0  # kB
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
+    peak = _status_mb("VmHWM")
+    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
 
 
 def memory_in_use_mb(device: torch.device) -> float:
@@ -116,14 +122,7 @@ def memory_in_use_mb(device: torch.device) -> float:
     process's resident set on CPU."""
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device) / 2**20
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024.0  # kB
-    except OSError:
-        pass
-    return 0.0
+    return _status_mb("VmRSS") or 0.0
 
 
 def available_memory_bytes(device: torch.device) -> int:
