@@ -214,10 +214,13 @@ def _parameter_mb(model_dir, *components: str) -> float:
     from diffusers import WanTransformer3DModel
     from transformers import UMT5EncoderModel
 
-    classes = {"transformer": WanTransformer3DModel, "text_encoder": UMT5EncoderModel}
+    loaders = {
+        "transformer": lambda path: WanTransformer3DModel.from_pretrained(path, torch_dtype=torch.float32),
+        "text_encoder": lambda path: UMT5EncoderModel.from_pretrained(path, dtype=torch.float32),
+    }
     total = 0
     for name in components:
-        module = classes[name].from_pretrained(str(model_dir / name), torch_dtype=torch.float32)
+        module = loaders[name](str(model_dir / name))
         total += sum(p.numel() * p.element_size() for p in module.parameters())
     return total / 2**20
 
