@@ -359,7 +359,9 @@ class LoraState:
                     bias = w.bias.to(device) if w.bias is not None else None
                     terms.append(_Term(diff=diff, bias=bias, scale=strength))
             if terms:
-                self._hooks.append(layer.register_forward_hook(_OnTheFly(terms)))
+                # first among the layer's hooks: the term belongs to the layer's own output, before a plan's hook
+                # changes it (the Ulysses plan gathers proj_out's output over the sequence-parallel ranks)
+                self._hooks.append(layer.register_forward_hook(_OnTheFly(terms), prepend=True))
 
     def _remove_hooks(self) -> None:
         for handle in self._hooks:
