@@ -4,6 +4,10 @@ copy of the base weights, and applying on the fly with forward hooks while unmer
 Exactness is the rule: the base weights of every touched layer are kept (on the CPU) and every merge writes
 ``W_base + sum(strength * delta)`` computed from that copy, never by adding to or subtracting from the live weights, so
 any number of merge/unmerge/switch cycles ends bit-identical to the base when the adapters are cleared.
+
+Under sharded weights (FSDP2, parallel/shard.py) a parameter is a DTensor split on dim 0 and a rank holds a slice of
+its rows: the same code keeps and writes only those rows (`local_rows`), from the full delta computed on every rank,
+so the gathered weights equal the unsharded merge bit for bit.
 """
 
 from __future__ import annotations
@@ -101,6 +105,53 @@ def check_against_model(file: LoraFile, linears: dict[str, nn.Linear], nickname:
                 f"model, but {'; '.join(problems)}. The file is for a model of another size."
             )
     return LoraAdapter(nickname=nickname, path=file.path, sha256=file.sha256, layers=file.layers, layout=file.layout)
+
+
+def shard_rows(rows: int, ranks: int, index: int) -> tuple[int, int]:
+    """The rows [start, stop) of a dimension of `rows` that rank `index` of `ranks` holds under a Shard(0) placement
+    (FSDP2's): torch.chunk's split, chunks of ceil(rows / ranks) rows, the last ranks' short or empty."""
+    chunk = -(-rows // ranks)
+    start = min(index * chunk, rows)
+    return start, min(start + chunk, rows)
+
+
+def local_rows(param: torch.Tensor) -> tuple[torch.Tensor, slice]:
+    """The tensor a merge writes for `param`, and which rows of the full parameter it holds: the parameter itself and
+    all its rows, or for a DTensor sharded on dim 0 (FSDP2's fully_shard) this rank's local shard (a view FSDP gathers
+    from) and its rows. Anything else sharded is refused rather than written wrongly."""
+    if torch.distributed.is_available():
+        from torch.distributed.tensor import DTensor, Shard
+
+        if isinstance(param, DTensor):
+            mesh, placements = param.device_mesh, tuple(param.placements)
+            if mesh.ndim != 1 or placements != (Shard(0),):
+                raise RuntimeError(
+                    f"LoRA on a parameter placed as {placements} over a {mesh.ndim}-D mesh: only Shard(0) over one "
+                    "mesh dimension (FSDP2's fully_shard, --shard-weights) is supported"
+                )
+            local = param.to_local()
+            start, stop = shard_rows(param.shape[0], mesh.size(), mesh.get_local_rank())
+            if local.shape[0] != stop - start:
+                raise RuntimeError(
+                    f"LoRA: this rank's shard of a parameter of shape {tuple(param.shape)} has {local.shape[0]} rows; "
+                    f"rank {mesh.get_local_rank()} of {mesh.size()} should hold rows {start}:{stop} (torch.chunk)"
+                )
+            return local, slice(start, stop)
+    return param, slice(0, param.shape[0])
+
+
+def reshard(model: nn.Module) -> None:
+    """Register every FSDP2-sharded module's parameters as their shards again, so that a merge writes the shards the
+    next forward gathers from. A module can be left gathered: FSDP2 keeps the root's own parameters gathered after a
+    forward when `reshard_after_forward` is left to its default (ShardPlan passes True), and `unshard()` gathers any;
+    a write to that gathered copy would be dropped at the next reshard. A no-op without sharding."""
+    if not torch.distributed.is_available():
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 @dataclass
@@ -297,15 +348,17 @@ class LoraState:
     # -- weights -----------------------------------------------------------------------------------
     @torch.no_grad()
     def _apply(self, active: list[tuple[str, float]], merged: bool) -> None:
+        reshard(self.model)  # sharded weights: write the shards, not a gathered copy
         touched = {name for nickname, _ in active for name in self.cache[nickname].layers}
         for name in list(self._base):  # layers no adapter touches any more: base weights back, copy dropped
             if name not in touched:
                 self._write_base(name)
                 del self._base[name]
-        for name in sorted(touched - self._base.keys()):
+        for name in sorted(touched - self._base.keys()):  # under sharding: only this rank's rows
             layer = self.linears[name]
-            bias = layer.bias.detach().to("cpu", copy=True) if layer.bias is not None else None
-            self._base[name] = (layer.weight.detach().to("cpu", copy=True), bias)
+            weight = local_rows(layer.weight)[0].detach().to("cpu", copy=True)
+            bias = local_rows(layer.bias)[0].detach().to("cpu", copy=True) if layer.bias is not None else None
+            self._base[name] = (weight, bias)
         self._remove_hooks()
         for name in sorted(touched):
             if merged:
@@ -319,13 +372,17 @@ class LoraState:
     def _write_base(self, name: str) -> None:
         layer = self.linears[name]
         weight, bias = self._base[name]
-        layer.weight.copy_(weight)
+        local_rows(layer.weight)[0].copy_(weight)
         if bias is not None and layer.bias is not None:
-            layer.bias.copy_(bias)
+            local_rows(layer.bias)[0].copy_(bias)
 
     def _write_merged(self, name: str, active: list[tuple[str, float]]) -> None:
+        # The deltas are computed whole, by the unsharded expression, on every rank; a rank adds the rows it holds
+        # (all of them without sharding), so its shard is exactly those rows of the unsharded merge.
         layer = self.linears[name]
-        device = layer.weight.device
+        local_weight, rows = local_rows(layer.weight)
+        local_bias, bias_rows = local_rows(layer.bias) if layer.bias is not None else (None, rows)
+        device = local_weight.device
         base_weight, base_bias = self._base[name]
         weight = base_weight.to(device, torch.float32)
         bias = base_bias.to(device, torch.float32) if base_bias is not None else None
@@ -334,14 +391,14 @@ class LoraState:
             if w is None or strength == 0.0:
                 continue  # strength 0 leaves the base bits untouched
             if w.down is not None and w.up is not None:
-                weight = weight + (w.up.to(device) @ w.down.to(device)) * (strength * w.scale)
+                weight = weight + ((w.up.to(device) @ w.down.to(device)) * (strength * w.scale))[rows]
             if w.diff is not None:
-                weight = weight + w.diff.to(device) * strength
+                weight = weight + w.diff.to(device)[rows] * strength
             if w.bias is not None and bias is not None:
-                bias = bias + w.bias.to(device) * strength
-        layer.weight.copy_(weight)
-        if bias is not None and layer.bias is not None:
-            layer.bias.copy_(bias)
+                bias = bias + w.bias.to(device)[bias_rows] * strength
+        local_weight.copy_(weight)
+        if bias is not None and local_bias is not None:
+            local_bias.copy_(bias)
 
     def _install_hooks(self, active: list[tuple[str, float]], touched: set[str]) -> None:
         for name in sorted(touched):
