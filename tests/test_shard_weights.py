@@ -1,8 +1,8 @@
 """`--shard-weights` (parallel/shard.py): FSDP2 over the ranks of a replica. Each rank holds a 1/N share of the
 sharded components' weights between steps, and the frames are the unsharded run's, bit for bit (the gathered weights
-are the unsharded ones). LoRA adapters merge into each rank's rows (lora/layers.py `local_rows`): the same frames and
-gathered weights as the unsharded layout with the same adapters. What it does not combine with yet is refused before
-anything loads."""
+are the unsharded ones). LoRA adapters merge into each rank's rows (lora/sharded.py `local_rows`): the same frames
+and gathered weights as the unsharded layout with the same adapters. What it does not combine with yet is refused
+before anything loads."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from torch import nn
 from distvideo import VideoGenerator
 from distvideo.cli.main import main
 from distvideo.errors import ConfigError
-from distvideo.lora.layers import shard_rows
+from distvideo.lora.sharded import shard_rows
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -144,18 +144,17 @@ def lora_on_uneven_shards(worker) -> int:
     def lora_file(name: str, layers: dict) -> LoraFile:
         return LoraFile(path=f"{name}.safetensors", layers=layers, layout="diffusers", sha256=name, skipped=[])
 
-    files = {
-        "a": lora_file("a", {
-            "blocks.0.0": LoraLayerWeights(down=randn(2, 6), up=randn(7, 2), alpha=1.0),
-            "blocks.1.1": LoraLayerWeights(down=randn(2, 7), up=randn(6, 2), bias=randn(6)),
-            "gate": LoraLayerWeights(down=randn(2, 6), up=randn(1, 2), bias=randn(1)),
-            "proj_out": LoraLayerWeights(diff=randn(5, 6), bias=randn(5)),
-        }),
-        "b": lora_file("b", {
-            "blocks.0.0": LoraLayerWeights(diff=randn(7, 6), bias=randn(7)),
-            "proj_out": LoraLayerWeights(down=randn(3, 6), up=randn(5, 3), alpha=6.0),
-        }),
-    }  # fmt: skip
+    a = {
+        "blocks.0.0": LoraLayerWeights(down=randn(2, 6), up=randn(7, 2), alpha=1.0),
+        "blocks.1.1": LoraLayerWeights(down=randn(2, 7), up=randn(6, 2), bias=randn(6)),
+        "gate": LoraLayerWeights(down=randn(2, 6), up=randn(1, 2), bias=randn(1)),
+        "proj_out": LoraLayerWeights(diff=randn(5, 6), bias=randn(5)),
+    }
+    b = {
+        "blocks.0.0": LoraLayerWeights(diff=randn(7, 6), bias=randn(7)),
+        "proj_out": LoraLayerWeights(down=randn(3, 6), up=randn(5, 3), alpha=6.0),
+    }
+    files = {"a": lora_file("a", a), "b": lora_file("b", b)}
     torch.manual_seed(5)
     plain = Toy()
     base = {name: bits(p) for name, p in plain.named_parameters()}
