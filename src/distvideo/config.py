@@ -155,7 +155,6 @@ class EngineConfig:
         conflicts = [
             (bool(self.compile), "compile", "regional compilation of FSDP-wrapped blocks is not tested yet"),
             (self.offload not in (None, "none"), "offload", "offload moves whole components, a shard stays put"),
-            (bool(self.lora), "lora", "LoRA merges into whole weights; a rank holds a shard of each"),
         ]
         for present, name, why in conflicts:
             if present:

@@ -4,6 +4,10 @@ copy of the base weights, and applying on the fly with forward hooks while unmer
 Exactness is the rule: the base weights of every touched layer are kept (on the CPU) and every merge writes
 ``W_base + sum(strength * delta)`` computed from that copy, never by adding to or subtracting from the live weights, so
 any number of merge/unmerge/switch cycles ends bit-identical to the base when the adapters are cleared.
+
+Under sharded weights (FSDP2, parallel/shard.py) a parameter is a DTensor split on dim 0 and a rank holds a slice of
+its rows: the same code keeps and writes only those rows (lora/sharded.py `local_rows`), from the full delta computed
+on every rank, so the gathered weights equal the unsharded merge bit for bit.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distvideo.lora.formats import LoraError, LoraFile, LoraLayerWeights
+from distvideo.lora.sharded import local_rows, reshard
 
 logger = logging.getLogger(__name__)
 
@@ -297,15 +302,17 @@ class LoraState:
     # -- weights -----------------------------------------------------------------------------------
     @torch.no_grad()
     def _apply(self, active: list[tuple[str, float]], merged: bool) -> None:
+        reshard(self.model)  # sharded weights: write the shards, not a gathered copy
         touched = {name for nickname, _ in active for name in self.cache[nickname].layers}
         for name in list(self._base):  # layers no adapter touches any more: base weights back, copy dropped
             if name not in touched:
                 self._write_base(name)
                 del self._base[name]
-        for name in sorted(touched - self._base.keys()):
+        for name in sorted(touched - self._base.keys()):  # under sharding: only this rank's rows
             layer = self.linears[name]
-            bias = layer.bias.detach().to("cpu", copy=True) if layer.bias is not None else None
-            self._base[name] = (layer.weight.detach().to("cpu", copy=True), bias)
+            weight = local_rows(layer.weight)[0].detach().to("cpu", copy=True)
+            bias = local_rows(layer.bias)[0].detach().to("cpu", copy=True) if layer.bias is not None else None
+            self._base[name] = (weight, bias)
         self._remove_hooks()
         for name in sorted(touched):
             if merged:
@@ -319,13 +326,17 @@ class LoraState:
     def _write_base(self, name: str) -> None:
         layer = self.linears[name]
         weight, bias = self._base[name]
-        layer.weight.copy_(weight)
+        local_rows(layer.weight)[0].copy_(weight)
         if bias is not None and layer.bias is not None:
-            layer.bias.copy_(bias)
+            local_rows(layer.bias)[0].copy_(bias)
 
     def _write_merged(self, name: str, active: list[tuple[str, float]]) -> None:
+        # The deltas are computed whole, by the unsharded expression, on every rank; a rank adds the rows it holds
+        # (all of them without sharding), so its shard is exactly those rows of the unsharded merge.
         layer = self.linears[name]
-        device = layer.weight.device
+        local_weight, rows = local_rows(layer.weight)
+        local_bias, bias_rows = local_rows(layer.bias) if layer.bias is not None else (None, rows)
+        device = local_weight.device
         base_weight, base_bias = self._base[name]
         weight = base_weight.to(device, torch.float32)
         bias = base_bias.to(device, torch.float32) if base_bias is not None else None
@@ -334,14 +345,14 @@ class LoraState:
             if w is None or strength == 0.0:
                 continue  # strength 0 leaves the base bits untouched
             if w.down is not None and w.up is not None:
-                weight = weight + (w.up.to(device) @ w.down.to(device)) * (strength * w.scale)
+                weight = weight + ((w.up.to(device) @ w.down.to(device)) * (strength * w.scale))[rows]
             if w.diff is not None:
-                weight = weight + w.diff.to(device) * strength
+                weight = weight + w.diff.to(device)[rows] * strength
             if w.bias is not None and bias is not None:
-                bias = bias + w.bias.to(device) * strength
-        layer.weight.copy_(weight)
-        if bias is not None and layer.bias is not None:
-            layer.bias.copy_(bias)
+                bias = bias + w.bias.to(device)[bias_rows] * strength
+        local_weight.copy_(weight)
+        if bias is not None and local_bias is not None:
+            local_bias.copy_(bias)
 
     def _install_hooks(self, active: list[tuple[str, float]], touched: set[str]) -> None:
         for name in sorted(touched):
@@ -359,7 +370,9 @@ class LoraState:
                     bias = w.bias.to(device) if w.bias is not None else None
                     terms.append(_Term(diff=diff, bias=bias, scale=strength))
             if terms:
-                self._hooks.append(layer.register_forward_hook(_OnTheFly(terms)))
+                # first among the layer's hooks: the term belongs to the layer's own output, before a plan's hook
+                # changes it (the Ulysses plan gathers proj_out's output over the sequence-parallel ranks)
+                self._hooks.append(layer.register_forward_hook(_OnTheFly(terms), prepend=True))
 
     def _remove_hooks(self) -> None:
         for handle in self._hooks:

@@ -55,12 +55,6 @@ def prepare_adapter(
 ) -> dict[str, Any]:
     """Phase 1: load and check the adapter against `target` (or find the cached one); no weight changes. Returns its
     description (with the file's sha256, so the caller can check every rank loaded the same bytes)."""
-    sharded = getattr(worker.config, "shard_weights", "none")
-    if sharded != "none":  # before anything is read: every rank refuses alike
-        raise LoraError(
-            f"LoRA with shard_weights={sharded!r} is not supported yet: an adapter merges into whole weights, and each "
-            "rank holds a shard of them (load the engine with shard_weights='none' to use adapters)"
-        )
     state = lora_state(worker, target)
     for other in lora_states(worker).values():
         other.abort()
@@ -140,7 +134,9 @@ def describe(worker: LoraWorker) -> dict[str, Any]:
 
 def transformer_digest(worker: LoraWorker) -> str:
     """sha256 of the transformers' parameters and buffers (names, dtypes, shapes, bytes; both experts of a two-expert
-    model): equal digests mean bit-identical weights, e.g. across ranks or before/after a LoRA round trip."""
+    model): equal digests mean bit-identical weights, e.g. across ranks or before/after a LoRA round trip. Under
+    sharded weights each parameter is gathered whole first (a collective over the replica's ranks: call it on every
+    rank, as collective_rpc does), so the digest is the unsharded model's."""
     digest = hashlib.sha256()
     with torch.no_grad():
         for prefix in TARGETS:
@@ -148,6 +144,8 @@ def transformer_digest(worker: LoraWorker) -> str:
             if module is None:
                 continue
             for name, tensor in module.state_dict().items():
+                if hasattr(tensor, "full_tensor"):  # a DTensor: FSDP2's shard of this parameter
+                    tensor = tensor.full_tensor()
                 label = name if prefix == "transformer" else f"{prefix}.{name}"
                 digest.update(f"{label}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
                 digest.update(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())

@@ -220,7 +220,7 @@ def auto_layout(
             ring_size=config.ring_size,
         )
         return AutoLayout(layout, config.shard_weights or "none", None)
-    blocked = bool(config.compile) or config.offload not in (None, "none") or bool(config.lora)
+    blocked = bool(config.compile) or config.offload not in (None, "none")
     plan = plan_for(
         model,
         default_request(model),
