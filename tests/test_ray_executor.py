@@ -211,9 +211,11 @@ def test_batch_and_a_served_job(ray_cluster, tmp_path):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert len(list(out.glob("*.mp4"))) == 2
-    with start_server(tmp_path / "serve", "ray", args=["--ray-address", ray_cluster]) as server:
-        video = server.create(prompt="a boat", **SMALL)
-        assert server.wait(video["id"])["status"] == "completed"
+    # two replicas of one rank each, on the driver's node: they meet rank 0 in a private file store
+    with start_server(tmp_path / "serve", "ray", args=["--ray-address", ray_cluster, "--replicas", "2"]) as server:
+        assert len(server.http.get("/health").json()["replicas"]) == 2
+        videos = [server.create(prompt=f"a boat {i}", **SMALL) for i in range(2)]
+        assert [server.wait(v["id"])["status"] for v in videos] == ["completed"] * 2
     assert leftovers() == ([], 0)
 
 
