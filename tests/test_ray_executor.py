@@ -219,13 +219,22 @@ def test_batch_and_a_served_job(ray_cluster, tmp_path):
     assert leftovers() == ([], 0)
 
 
-def test_two_emulated_nodes_order_ranks_by_node():
+def test_two_emulated_nodes_order_ranks_by_node_and_serve_two_replicas():
+    """One rank per emulated node; then a service with one replica on each node: its replicas meet the driver in rank
+    0's TCPStore (every node reaches it), not in a file store of the driver's machine, and each runs a job with the
+    bytes of one inline rank."""
     script = REPO / "tests" / "rank_scripts" / "ray_two_nodes.py"
-    env = {**os.environ, "PYTHONPATH": str(REPO / "tests")}
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    path = os.pathsep.join(filter(None, [str(REPO / "tests"), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "DISTVIDEO_NO_PROGRESS": "1"}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=400, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
     (node0, local0, count0), (node1, local1, count1) = seen["placed"]
     assert node0 == seen["driver"] and node1 != node0, "one rank per node, the driver's node first"
     assert (local0, count0, local1, count1) == (0, 1, 0, 1)
     assert seen["frames"]
+    assert seen["store"][0] == "127.0.0.1" and seen["store"][1] > 0, "emulated nodes: rank 0's store, on loopback"
+    assert seen["done"] == ["completed"] * 2, seen
+    assert seen["jobs_done"] == [1, 1], "one job on each replica, so on each node"
+    assert seen["private_stores"] == [], "the replicas met in a file store only the driver's machine has"
+    assert seen["videos"] == [seen["reference"]] * 2

@@ -25,6 +25,7 @@ from distvideo.errors import GenerationCancelled, GenerationTimeout, RankFailure
 from distvideo.request import GenerationRequest
 
 if TYPE_CHECKING:
+    from distvideo.executors.store import StoreAddress
     from distvideo.outputs import ItemOutcome, WorkerOutput
 
 #: what every call on a shut-down executor or generator raises (as a RuntimeError)
@@ -226,6 +227,12 @@ class Executor(abc.ABC):
     def ensure_consistent(self, what: str, fields: dict[str, Any]) -> None:
         """Refuse a call whose arguments differ between ranks. One driver sends the same call to every
         rank on inline and mp, so only external launchers (every process calls by itself) can diverge."""
+        return None
+
+    def rendezvous_store(self) -> StoreAddress | None:
+        """The TCPStore this process can reach and every rank already uses to meet, where the executor's ranks meet
+        through one it made (Ray over several nodes: rank 0's); None where they meet otherwise (a private file store,
+        a launcher's store: the service finds that one itself). The service's replicas exchange jobs there."""
         return None
 
     def check_health(self) -> None:

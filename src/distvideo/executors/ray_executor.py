@@ -41,6 +41,7 @@ from distvideo.executors.base import (
 from distvideo.executors.mp_wire import remote_traceback
 from distvideo.executors.ray_placement import bundles_for, check_resources, connect, rank_order, rendezvous_kind
 from distvideo.executors.ray_rank import CallControl, RankActor
+from distvideo.executors.store import StoreAddress
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,7 @@ class RayExecutor(Executor):
         self._died_idle: WorkerDiedError | None = None  # a death the monitor saw: what the next call raises
         self._closed = False
         self._rendezvous_dir: str | None = None  # the file store's private directory, when the ranks use one
+        self._master: tuple[str, int] | None = None  # rank 0's TCPStore, when the ranks meet through env://
         self._lock = threading.Lock()  # held by a call, and by the monitor while it probes the actors
         self._stopping = threading.Event()
         self._monitor_thread: threading.Thread | None = None
@@ -123,6 +125,7 @@ class RayExecutor(Executor):
             assert host is not None
             master = (host, int(ray.get(self._actors[0].free_port.remote(host), timeout=60)))
             init_method = "env://"
+        self._master = master
         loopback = host is None or host.startswith("127.")
         logger.debug("ray ranks on nodes %s (CUDA_VISIBLE_DEVICES %s), rendezvous %s %s", nodes, places, kind, master)
         starts = [
@@ -148,6 +151,13 @@ class RayExecutor(Executor):
     @property
     def is_output_rank(self) -> bool:
         return True
+
+    def rendezvous_store(self) -> StoreAddress | None:
+        """Rank 0's TCPStore when the ranks span nodes (env://); None when they meet in a file store beside the
+        driver."""
+        if self._master is None:
+            return None
+        return StoreAddress(*self._master)
 
     # -- calls -----------------------------------------------------------------------------------
     def collective_rpc(

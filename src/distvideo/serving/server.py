@@ -40,6 +40,7 @@ from distvideo.serving.runner import EngineLoop, follow
 from distvideo.serving.store import STORE_NAME, JobStore
 
 if TYPE_CHECKING:
+    from distvideo.generator import VideoGenerator
     from distvideo.protocols import GeneratorHandle
 
 logger = logging.getLogger("distvideo.serving")
@@ -176,7 +177,7 @@ def serve(config: EngineConfig, options: ServeOptions, presets: dict[str, Any] |
         adapters.load()
         if engine.launch is not None and engine.world_size > 1:
             channel = JobChannel.open(gen, engine.launch)
-        spec, private = _replica_spec(channel) if replicas > 1 else (None, None)
+        spec, private = _replica_spec(gen, channel) if replicas > 1 else (None, None)
         if rank0 is None:
             assert channel is not None
             if stop.is_set():
@@ -207,14 +208,20 @@ def serve(config: EngineConfig, options: ServeOptions, presets: dict[str, Any] |
         signals.restore()
 
 
-def _replica_spec(channel: JobChannel | None) -> tuple[ReplicaSpec, PrivateStore | None]:
-    """Where the replicas meet rank 0: the launcher's store under this session's namespace, or, under mp (no
-    launcher), a private file store of this user's (returned too: the caller removes it when the service stops)."""
+def _replica_spec(gen: VideoGenerator, channel: JobChannel | None) -> tuple[ReplicaSpec, PrivateStore | None]:
+    """Where the replicas meet rank 0: the launcher's store under this session's namespace; the executor's own TCPStore
+    where its ranks meet through one (Ray over several nodes: rank 0's, which this process reaches too); else (mp, Ray
+    on the driver's node) a private file store of this user's (returned too: the caller removes it when the service
+    stops)."""
     if channel is not None:
         env = channel.env
         return ReplicaSpec(StoreAddress(env.master_addr, env.master_port), f"{channel.namespace}/replicas"), None
+    session = f"serve/{secrets.token_hex(8)}/replicas"
+    address = gen.executor.rendezvous_store()
+    if address is not None:
+        return ReplicaSpec(address, session), None
     private = PrivateStore()
-    return ReplicaSpec(private.address, f"serve/{secrets.token_hex(8)}/replicas"), private
+    return ReplicaSpec(private.address, session), private
 
 
 def _run_rank0(
