@@ -349,5 +349,7 @@ def test_a_batch_and_a_service_ask_for_throughput(monkeypatch, tmp_path):
     assert _objective_of(monkeypatch, executors, lambda: main(one)) == ["latency"]
     config = EngineConfig(num_gpus=4)
     assert _objective_of(monkeypatch, server, lambda: server.serve(config, ServeOptions())) == ["throughput"]
+    on_ray = dataclasses.replace(config, executor="ray")  # its replicas meet in a store every node reaches
+    assert _objective_of(monkeypatch, server, lambda: server.serve(on_ray, ServeOptions())) == ["throughput"]
     adapters = ServeOptions(lora_adapters={"style": "style.safetensors"})
     assert _objective_of(monkeypatch, server, lambda: server.serve(config, adapters)) == ["latency"]

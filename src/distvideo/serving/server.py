@@ -131,9 +131,8 @@ def serve(config: EngineConfig, options: ServeOptions, presets: dict[str, Any] |
     2) before anything starts."""
     base_lora = list(config.lora)
     # adapters are the service's (adapters.py); with no layout option, the layout that serves the most jobs per
-    # second (replicas count), except with request-selectable adapters, which one replica alone can switch, and on
-    # Ray, whose replicas would need a store every node reaches (not yet: give --replicas on one node)
-    objective = "latency" if options.lora_adapters or config.executor == "ray" else "throughput"
+    # second (replicas count), except with request-selectable adapters, which one replica alone can switch
+    objective = "latency" if options.lora_adapters else "throughput"
     engine = resolve_engine(dataclasses.replace(config, lora=[]), objective=objective)
     replicas = engine.layout.replicas
     if replicas > 1 and options.lora_adapters:
