@@ -41,6 +41,26 @@ def plain(model: Path) -> np.ndarray:
         return _run(gen)
 
 
+@pytest.mark.parametrize(
+    ("mode", "offloaded"),
+    [("text", ("text_encoder", "text_encoder_2")), ("model", ("text_encoder", "text_encoder_2", "vae"))],
+)
+def test_offload_gives_the_same_bytes_with_both_text_encoders_away(
+    model: Path, plain: np.ndarray, mode: str, offloaded: tuple[str, ...]
+) -> None:
+    with _generator(model, offload=mode) as gen:
+        frames = _run(gen)
+        offload = gen.collective_rpc(lambda worker: worker.pipeline.offload)[0]  # inline: the rank is here
+    assert frames.tobytes() == plain.tobytes(), f"offload={mode} changed the frames"
+    assert offload.offloaded == offloaded
+    assert offload.placement == {name: "host" if name in offloaded else "device" for name in offload.placement}
+    # after the placement at load, each offloaded component visits the device once, for its stage
+    visits = offload.moves[len(offload.placement) :]
+    one_visit = {name: ["device", "host"] for name in offloaded}
+    assert {name: [where for n, where in visits if n == name] for name in offloaded} == one_visit
+    assert {name for name, _ in visits} == set(offloaded)
+
+
 def test_compiled_frames_are_within_2_of_eager(model: Path, plain: np.ndarray) -> None:
     with _generator(model, compile=True) as gen:
         result = gen.generate(PROMPT, negative_prompt=NEGATIVE, save_video=False, **REQUEST)
