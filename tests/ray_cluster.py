@@ -4,12 +4,14 @@ Use: ``from ray_cluster import session_cluster  # noqa: F401`` in a test module,
 `ray_cluster` (its value: the cluster's GCS address). pytest keeps one fixture per module that imports it, so the cluster itself is a process-wide one here: the
 first module to ask starts it (through the executor's own `start_local_cluster`: node 127.0.0.1, 4 CPUs, no
 dashboard), the last fixture torn down (at the end of the session) stops it. The actors import the tests' helper
-modules as spawned mp workers do: the tests folder is on their path (the job's runtime_env).
+modules as spawned mp workers do: the tests folder is on their path (the job's runtime_env), before the driver's
+PYTHONPATH.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import os
 import signal
 import time
 from collections.abc import Iterable
@@ -36,7 +38,11 @@ def session_cluster():
             num_cpus=4,
             include_dashboard=False,
             logging_level="WARNING",
-            runtime_env={"env_vars": {"PYTHONPATH": str(TESTS)}},
+            # the tests folder, then the driver's own path (a worktree's src/ run with PYTHONPATH=src): the actors
+            # import the code under test, as spawned mp workers do, not whatever the environment installed
+            runtime_env={
+                "env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
+            },
         )
         signal.signal(signal.SIGTERM, sigterm)
         _CLUSTER["address"] = context.address_info["gcs_address"]

@@ -17,14 +17,20 @@ from test_hunyuan import NEGATIVE, PROMPT
 REQUEST = dict(num_frames=9, num_inference_steps=2, guidance_scale=4.5, seed=5)
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An image-to-video checkpoint whose target size is 64: a 40 x 28 image gives a 64 x 48 video."""
+def hunyuan_i2v_checkpoint(factory: pytest.TempPathFactory) -> Path:
+    """The session's image-to-video checkpoint (built once; batch and serve share it), whose target size is 64: a
+    40 x 28 image gives a 64 x 48 video."""
     from distvideo.testing.hunyuan import build_hunyuan_checkpoint
 
-    return build_hunyuan_checkpoint(
-        tmp_path_factory.mktemp("hv15") / "i2v", seed=22, image_to_video=True, target_size=64
-    )
+    path = factory.getbasetemp() / "hunyuan15-i2v"
+    if not (path / "model_index.json").is_file():
+        build_hunyuan_checkpoint(path, seed=22, image_to_video=True, target_size=64)
+    return path
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return hunyuan_i2v_checkpoint(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -91,7 +91,8 @@ def test_component_offload_moves_only_the_offloaded_and_always_back():
 
 def test_every_mode_places_its_components():
     for mode, expected in OFFLOADED.items():
-        modules = {"text_encoder": nn.Linear(2, 2), "image_encoder": nn.Linear(2, 2), "vae": nn.Linear(2, 2)}
+        names = ("text_encoder", "text_encoder_2", "image_encoder", "vae")  # every family's (HunyuanVideo 1.5's ByT5)
+        modules = {name: nn.Linear(2, 2) for name in names}
         offload = ComponentOffload(modules, DEVICE, mode)
         assert {n for n, where in offload.placement.items() if where == "host"} == set(expected), mode
     with pytest.raises(ValueError, match="offload='all'"):

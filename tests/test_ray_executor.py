@@ -16,6 +16,7 @@ import tempfile
 import threading
 import time
 
+import numpy as np
 import pytest
 import ray  # noqa: F401 (make setup installs distvideo[ray]: a missing Ray fails here)
 
@@ -168,6 +169,21 @@ def test_first_block_cache_skips_the_same_steps_as_on_mp(ray_cluster, tmp_path):
     assert 0 < len(skipped) < 7, results["ray"].cache  # some steps skipped, not all
     assert results["ray"].cache == results["mp"].cache
     assert max_abs_diff(results["ray"].frames, results["mp"].frames) <= 2
+    assert leftovers() == ([], 0)
+
+
+def test_hunyuan_frames_are_the_bytes_of_mp(ray_cluster, tmp_path_factory):
+    """HunyuanVideo 1.5 text-to-video at cfg2 (a branch per rank, the halves gathered): Ray's actors give mp's bytes."""
+    import test_hunyuan as hv
+
+    model = hv.hunyuan_checkpoint(tmp_path_factory)
+    frames = {}
+    for executor in ("mp", "ray"):
+        with VideoGenerator.from_pretrained(str(model), executor=executor, num_gpus=2, cfg_parallel=True) as gen:
+            result = gen.generate(hv.PROMPT, negative_prompt=hv.NEGATIVE, save_video=False, **hv.REQUEST)
+            frames[executor] = result.frames
+    assert frames["ray"] is not None and frames["ray"].std() > 10
+    assert np.array_equal(frames["ray"], frames["mp"])
     assert leftovers() == ([], 0)
 
 

@@ -119,7 +119,7 @@ class EngineConfig:
         "(default off, DISTVIDEO_COMPILE)"
     )
     offload: str | None = _option(
-        "text encoder (text), also image encoder and VAE (model): in host memory until their stage (DISTVIDEO_OFFLOAD)",
+        "text encoders (text), also image encoder and VAE (model): in host memory until their stage (DISTVIDEO_OFFLOAD)",
         choices=OFFLOAD_MODES,
     )
     offload_experts: bool | None = _option("Wan2.2 A14B: the inactive expert waits in host memory (default: on CUDA)")

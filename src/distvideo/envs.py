@@ -118,8 +118,8 @@ _declare(
     "DISTVIDEO_OFFLOAD",
     _choice("none", "text", "model"),  # config.OFFLOAD_MODES (tests/test_offload.py keeps the two equal)
     "none",
-    "Default offload: none keeps every component on the device; text keeps the text encoder in host memory except "
-    "while it encodes; model does so for the text encoder, the image encoder and the VAE (docs/performance.md).",
+    "Default offload: none keeps every component on the device; text keeps the text encoders in host memory except "
+    "while they encode; model does so for the text encoders, the image encoder and the VAE (docs/performance.md).",
 )
 _declare(
     "DISTVIDEO_MP_START",

@@ -30,8 +30,12 @@ def onednn_available() -> bool:
 
 
 def _fast_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    # not while torch.compile traces (a compiled region holding a convolution, such as HunyuanVideo 1.5's patch
+    # embedding among its repeated blocks): dynamo runs the op on fake tensors, which oneDNN's op refuses, and
+    # inductor chooses its own convolution kernel anyway
     return (
-        x.device.type == "cpu"
+        not torch.compiler.is_compiling()
+        and x.device.type == "cpu"
         and x.dtype == torch.float32
         and weight.dtype == torch.float32
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))

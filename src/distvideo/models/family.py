@@ -30,7 +30,7 @@ class ModelFamily:
     image_encoder: bool = False
     compact_text: bool = True  # whether the text-padding plan (Wan's text-only cross-attention) applies
     size_from_image: bool = False  # an unset height and width follow the image's aspect-ratio bucket (HunyuanVideo)
-    step_cache: bool = True  # whether --cache serves it (pipelines/caching.py wraps single-stream Wan blocks)
+    step_cache: bool = True  # whether --cache serves it (its transformer's blocks declared in pipelines/caching.py)
 
     @property
     def takes_image(self) -> bool:

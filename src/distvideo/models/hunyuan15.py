@@ -38,7 +38,6 @@ HUNYUAN15_T2V = ModelFamily(
     defaults=_DEFAULTS,
     description="HunyuanVideo 1.5 text-to-video (Qwen2.5-VL and ByT5 text, dual-stream transformer, 16x VAE)",
     compact_text=False,
-    step_cache=False,
 )
 # Image-to-video: as diffusers' HunyuanVideo15ImageToVideoPipeline, the size is the bucket of the image's aspect ratio
 # at the transformer's target size (480 x 848 stands for it until the image is read); a request may set its own.
@@ -53,7 +52,6 @@ HUNYUAN15_I2V = ModelFamily(
     image_encoder=True,
     compact_text=False,
     size_from_image=True,
-    step_cache=False,
 )
 
 

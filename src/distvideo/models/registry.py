@@ -186,8 +186,8 @@ class ModelInfo:
         filled = resolve_cache(filled, self.cache_ratios, scheduler_name(self.index), str(self.path))
         if filled.cache not in (None, "none") and not self.family.step_cache:
             raise ConfigError(
-                f"cache={filled.cache!r}: {self.path.name} is {self.family.name}, whose dual-stream blocks the step "
-                "cache does not serve yet; drop --cache (or use cache='none')"
+                f"cache={filled.cache!r}: {self.path.name} is {self.family.name}, whose blocks the step cache does not "
+                "serve yet; drop --cache (or use cache='none')"
             )
         if read_image and filled.image is not None:
             from distvideo.images import load_image

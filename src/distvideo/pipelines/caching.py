@@ -9,7 +9,8 @@ sequence-parallel group (each rank counts its real tokens only, so the sums are 
 CFG pair (the unconditional rank adds zeros), so every rank sees the same value; mag's decision needs no tensor at
 all (the calibrated ratios and the step index). A skipped step reuses, per branch and per rank, the residual the
 remaining blocks added at the last computed step. Every decision is reset at a switch of transformer (Wan2.2
-A14B's expert boundary).
+A14B's expert boundary). Which blocks the plan wraps, and what they take and return, is declared per transformer class
+(`CACHE_POINTS`): Wan's single-stream blocks and HunyuanVideo 1.5's dual-stream ones share everything else.
 """
 
 from __future__ import annotations
@@ -142,24 +143,63 @@ class CacheSlot:
     session: StepCacheSession | None = None
 
 
+@dataclass(frozen=True)
+class CachePoints:
+    """Where a transformer class takes the step cache: the attribute holding its blocks, and whether each block also
+    takes and returns the text stream (`text_stream`: a dual-stream block, called as ``block(hidden_states,
+    encoder_hidden_states, ...)`` and returning both). Only the video stream's residual is cached and replayed: a
+    skipped block hands the text stream on unchanged, which is exact because the transformer reads nothing of the
+    text stream after its last block."""
+
+    blocks: str
+    text_stream: bool = False
+
+    def video(self, out: Any) -> torch.Tensor:
+        """The video stream of a block's output."""
+        return out[0] if self.text_stream else out
+
+    def passed_on(self, hidden_states: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """What a skipped block returns: `hidden_states`, with the block's text stream input beside it."""
+        if not self.text_stream:
+            return hidden_states
+        text = args[0] if args else kwargs["encoder_hidden_states"]
+        return hidden_states, text
+
+
+#: The declarations, by diffusers transformer class: Wan's single-stream blocks; HunyuanVideo 1.5's dual-stream
+#: (MMDiT) blocks, whose text stream passes through a skipped step.
+CACHE_POINTS: dict[str, CachePoints] = {
+    "WanTransformer3DModel": CachePoints("blocks"),
+    "HunyuanVideo15Transformer3DModel": CachePoints("transformer_blocks", text_stream=True),
+}
+
+
+def cache_points(transformer: nn.Module) -> CachePoints:
+    name = type(transformer).__name__
+    if name not in CACHE_POINTS:
+        raise TypeError(f"step caching does not know {name}; it serves {', '.join(CACHE_POINTS)}")
+    return CACHE_POINTS[name]
+
+
 @dataclass
 class StepCachePlan:
-    """Wraps every block's forward of a Wan transformer: with no session in `slot` the wrapper only calls the block
-    (frames byte-identical to no plan); with one, block 0 decides (first-block: from its residual; mag: from the
-    ratios) and a skipped step's blocks return the cached residual instead of running."""
+    """Wraps every block's forward of a transformer declared in `CACHE_POINTS`: with no session in `slot` the wrapper
+    only calls the block (frames byte-identical to no plan); with one, block 0 decides (first-block: from its
+    residual; mag: from the ratios) and a skipped step's blocks return the cached residual instead of running."""
 
     component: str
     slot: CacheSlot
     name: ClassVar[str] = "step-cache"
 
     def apply(self, module: nn.Module) -> Callable[[], None]:
-        blocks = list(getattr(module, "blocks", []))
+        points = cache_points(module)
+        blocks = list(getattr(module, points.blocks, []))
         if len(blocks) < 2:
             raise TypeError(f"{self.component} ({type(module).__name__}) has no list of at least two blocks")
         originals = [block.forward for block in blocks]
         last = len(blocks) - 1
         for index, block in enumerate(blocks):
-            block.forward = self._wrapped(module, originals[index], index, last)  # type: ignore[method-assign]
+            block.forward = self._wrapped(module, points, originals[index], index, last)  # type: ignore[method-assign]
 
         def undo() -> None:
             for block in blocks:
@@ -167,7 +207,9 @@ class StepCachePlan:
 
         return undo
 
-    def _wrapped(self, module: nn.Module, forward: Callable[..., Any], index: int, last: int) -> Callable[..., Any]:
+    def _wrapped(
+        self, module: nn.Module, points: CachePoints, forward: Callable[..., Any], index: int, last: int
+    ) -> Callable[..., Any]:
         slot = self.slot
 
         def cached_forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -175,15 +217,15 @@ class StepCachePlan:
             if session is None:
                 return forward(hidden_states, *args, **kwargs)
             if index == 0:
-                return _first_block(session, module, forward, hidden_states, args, kwargs)
+                return _first_block(session, module, points, forward, hidden_states, args, kwargs)
             call = session.call - 1  # block 0 counted this call
             if session.skip:
                 if index == last:
-                    return hidden_states + session._residuals[call]
-                return hidden_states
+                    return points.passed_on(hidden_states + session._residuals[call], args, kwargs)
+                return points.passed_on(hidden_states, args, kwargs)
             out = forward(hidden_states, *args, **kwargs)
             if index == last:
-                session._residuals[call] = out - session._starts.pop(call)
+                session._residuals[call] = points.video(out) - session._starts.pop(call)
                 if session.method == CACHE_CALIBRATE and session.branch_contributes(call):
                     session._record_magnitude(session._residuals[call])
             return out
@@ -194,11 +236,12 @@ class StepCachePlan:
 def _first_block(
     session: StepCacheSession,
     module: nn.Module,
+    points: CachePoints,
     forward: Callable[..., Any],
     hidden_states: torch.Tensor,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-) -> torch.Tensor:
+) -> Any:
     call = session.call
     session.call += 1
     if call == 0:
@@ -207,14 +250,15 @@ def _first_block(
             session._decide_mag()
     if session.method == "mag":
         if session.skip:  # every block skipped: block 0's wrapper passes the input on, the last adds the residual
-            return hidden_states
+            return points.passed_on(hidden_states, args, kwargs)
         session._starts[call] = hidden_states
         return forward(hidden_states, *args, **kwargs)
     out = forward(hidden_states, *args, **kwargs)
+    video = points.video(out)
     if session.method == "first-block" and call == 0:
-        session._decide_first_block(out - hidden_states, session.branch_contributes(0))
+        session._decide_first_block(video - hidden_states, session.branch_contributes(0))
     if not session.skip:
-        session._starts[call] = out if session.method == "first-block" else hidden_states
+        session._starts[call] = video if session.method == "first-block" else hidden_states
     return out
 
 

@@ -1,9 +1,10 @@
 """Where the components outside the denoising loop wait between their stages (the `offload` engine option).
 
-The text encoder runs once per request (text encoding), the image encoder once (Wan2.1 I2V's CLIP tokens), the VAE
-once or twice (the first frame's latents, the decode); the transformer runs every step. With ``offload="none"`` every
-component lives on the device. With ``"text"`` the text encoder lives in host memory and visits the device for the
-text-encoding stage only; with ``"model"`` the image encoder and the VAE do too, each for its own stage (diffusers'
+The text encoders run once per request (text encoding: Wan's UMT5; HunyuanVideo 1.5's Qwen2.5-VL and ByT5), the image
+encoder once (Wan2.1 I2V's CLIP tokens, HunyuanVideo 1.5 I2V's SigLIP), the VAE once or twice (the first frame's
+latents, the decode); the transformer runs every step. With ``offload="none"`` every component lives on the device.
+With ``"text"`` the text encoders live in host memory and visit the device for the text-encoding stage only; with
+``"model"`` the image encoder and the VAE do too, each for its own stage (diffusers'
 ``enable_model_cpu_offload``, component by component, except that the transformers never leave the device). The
 inactive Wan2.2 A14B expert is another switch (``offload_experts``, pipelines/experts.py).
 
@@ -28,8 +29,8 @@ HOST = torch.device("cpu")
 #: the components each offload mode keeps in host memory between their stages (config.OFFLOAD_MODES)
 OFFLOADED: dict[str, tuple[str, ...]] = {
     "none": (),
-    "text": ("text_encoder",),
-    "model": ("text_encoder", "image_encoder", "vae"),
+    "text": ("text_encoder", "text_encoder_2"),
+    "model": ("text_encoder", "text_encoder_2", "image_encoder", "vae"),
 }
 
 

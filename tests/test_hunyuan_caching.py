@@ -1,0 +1,88 @@
+"""Step caching on HunyuanVideo 1.5 (pipelines/caching.py, its dual-stream blocks declared in CACHE_POINTS): inline,
+first-block and mag skip some steps and report them, a cached request that skips nothing gives the uncached bytes;
+`distvideo calibrate` writes the ratios mag uses; on mp at cfg2 x sp2 every rank reports the inline run's skipped
+steps and the frames are within 2 of it.
+
+The tiny checkpoint (2 layers, 45 video tokens: sp=2 pads one) at 4 steps. Its first-block metric at steps 1-3 is
+1.706, 0.776, 1.181 on one rank, and 1.172 / 1.191 on the two halves of the tokens at step 3; the threshold 1.177
+falls between those halves, so sp ranks that decided from their own tokens would disagree there. Its calibrated
+ratios (1, 1.66, 0.66, 1.26) give mag at 0.7 the skips [1, 3].
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from distvideo import VideoGenerator
+from distvideo.cli.main import main
+from distvideo.models.cache_ratios import RATIOS_FILE
+from distvideo.request import GenerationRequest
+from test_hunyuan import PROMPT, hunyuan_checkpoint
+
+from conftest import max_abs_diff
+
+pytestmark = pytest.mark.slow
+
+STEPS = 4
+BASE = dict(num_frames=9, height=48, width=80, num_inference_steps=STEPS, guidance_scale=4.5, seed=3)
+REQUESTS: dict[str, dict[str, Any]] = {
+    "fb": dict(BASE, cache="first-block", cache_threshold=1.177),
+    "mag": dict(BASE, cache="mag", cache_threshold=0.7),
+}
+SKIPPED = {"fb": [2], "mag": [1, 3]}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The session's HunyuanVideo 1.5 checkpoint seen through a folder of links with small defaults (calibrate runs
+    the model's default request), calibrated for 4 steps by `distvideo calibrate`."""
+    checkpoint = hunyuan_checkpoint(tmp_path_factory)
+    view = tmp_path_factory.mktemp("hv15-cache")
+    for entry in checkpoint.iterdir():
+        (view / entry.name).symlink_to(entry, target_is_directory=entry.is_dir())
+    small = {k: BASE[k] for k in ("num_frames", "height", "width", "guidance_scale")}
+    (view / "distvideo_defaults.json").write_text(json.dumps(small))
+    assert main(["calibrate", "--model", str(view), "--steps", str(STEPS), "--device", "cpu", "--no-progress"]) == 0
+    return view
+
+
+@pytest.fixture(scope="module")
+def inline(model: Path) -> dict[str, Any]:
+    with VideoGenerator.from_pretrained(str(model), executor="inline") as gen:
+        off = gen.generate(PROMPT, save_video=False, **BASE)  # before any cached request: no step-cache plan yet
+        cached = {name: gen.generate(PROMPT, save_video=False, **kw) for name, kw in REQUESTS.items()}
+        exact = gen.generate(PROMPT, save_video=False, **dict(BASE, cache="first-block", cache_threshold=1e-9))
+    return {"off": off, "exact": exact, **cached}
+
+
+def test_inline_skips_are_reported_and_a_run_without_skips_is_unchanged(model: Path, inline: dict[str, Any]) -> None:
+    ratios = json.loads((model / RATIOS_FILE).read_text())["ratios"][f"FlowMatchEulerDiscreteScheduler/{STEPS}"]
+    assert len(ratios) == STEPS and ratios[0] == 1.0
+    assert inline["off"].cache is None
+    for name, request in REQUESTS.items():
+        report = inline[name].cache
+        assert report == {
+            "method": request["cache"],
+            "computed_steps": STEPS - len(SKIPPED[name]),
+            "skipped_steps": SKIPPED[name],
+        }
+        assert max_abs_diff(inline[name].frames, inline["off"].frames) > 0, name  # a skip changes the frames
+    # the plan and a session that skips nothing: the uncached bytes (the text stream passes through the wrappers)
+    assert inline["exact"].cache["skipped_steps"] == []
+    np.testing.assert_array_equal(inline["exact"].frames, inline["off"].frames)
+
+
+def test_mp_cfg2_sp2_every_rank_skips_the_inline_steps(model: Path, inline: dict[str, Any]) -> None:
+    with VideoGenerator.from_pretrained(
+        str(model), executor="mp", device="cpu", num_gpus=4, sp_size=2, cfg_parallel=True, dist_timeout=120
+    ) as gen:
+        for name, kwargs in REQUESTS.items():
+            request = gen.model_info.resolve_request(GenerationRequest(prompt=PROMPT, save_video=False, **kwargs))
+            outputs = gen.collective_rpc("execute_forward", args=(request,))
+            assert [out.cache for out in outputs] == [inline[name].cache] * 4, (name, [o.cache for o in outputs])
+            assert max_abs_diff(outputs[0].frames, inline[name].frames) <= 2, name
