@@ -6,15 +6,18 @@ loopback. The executor contract and cancellation run on Ray in test_executor_con
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,7 +29,7 @@ from distvideo.executors.ray_placement import rank_order, rendezvous_kind
 
 from conftest import REPO, max_abs_diff
 from contract_checks import PROMPT, REQUEST
-from launchers import console_script
+from launchers import console_script, free_port
 from processes import wait_gone
 from ray_cluster import is_loopback, leftovers, session_cluster  # noqa: F401 (the fixture ray_cluster)
 from serving_harness import SMALL, start_server
@@ -109,6 +112,46 @@ def test_too_few_resources_and_unreachable_addresses_fail_at_once(ray_cluster):
     proc = _cli(["generate", "--prompt", "x", "--executor", "ray", "--ray-address", "127.0.0.1:9"], timeout=60)
     assert proc.returncode == 2 and "127.0.0.1:9" in proc.stderr, proc.stderr
     assert time.monotonic() - started < 30
+
+
+def test_joins_the_cluster_ray_start_made(tmp_path):
+    """docs/launching.md's recipe: `ray start --head`, then `distvideo generate --executor ray` with no address joins
+    that cluster. `ray start` turns on token authentication, which Ray applies only to a cluster it finds itself:
+    joining the resolved address instead failed with "Failed to connect to Ray cluster". The cluster is a process
+    group of its own (`--block`), killed as a group: `ray stop` would stop the session's cluster too."""
+    recorded = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+    before = recorded.read_text() if recorded.exists() else None
+    port = free_port()
+    ray_cli = Path(sys.executable).with_name("ray")
+    head = subprocess.Popen(
+        [str(ray_cli), "start", "--head", "--block", f"--port={port}", "--num-cpus=2", "--include-dashboard=false"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (recorded.exists() and recorded.read_text().strip().endswith(f":{port}")):
+            assert head.poll() is None and time.monotonic() < deadline, "ray start did not come up"
+            time.sleep(0.2)
+        env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
+        small = ["--num-frames", "5", "--height", "32", "--width", "48", "--steps", "2", "--no-progress"]
+        proc = _cli(["generate", "--prompt", "x", "--executor", "ray", "--num-gpus", "3", *small], env=env)
+        assert proc.returncode == 2 and "it has CPU=2" in proc.stderr, proc.stderr  # that cluster's 2 CPUs, at once
+        out = tmp_path / "kite.mp4"
+        proc = _cli(["generate", "--prompt", "a red kite", "--executor", "ray", "--num-gpus", "2", *small,
+                     "--output", str(out)], env=env)  # fmt: skip
+        assert proc.returncode == 0 and out.stat().st_size > 0, proc.stderr
+    finally:  # the whole group at once (GCS, raylet, agents, workers): on SIGTERM `ray start` takes 30 s to stop
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(head.pid, signal.SIGKILL)
+        head.wait()
+        if before is None:
+            recorded.unlink(missing_ok=True)
+        else:
+            recorded.write_text(before)
 
 
 def test_rank_order_puts_the_driver_node_first_grouped_by_node():
@@ -208,8 +251,8 @@ def test_nothing_of_a_local_cluster_the_executor_starts_listens_beyond_loopback(
     assert wide == {}, f"listening beyond loopback: {wide}"
 
 
-def _cli(args, timeout=300):
-    env = {**os.environ, "DISTVIDEO_NO_PROGRESS": "1"}
+def _cli(args, timeout=300, env=None):
+    env = {**(os.environ if env is None else env), "DISTVIDEO_NO_PROGRESS": "1"}
     cmd = [console_script("distvideo"), *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
 

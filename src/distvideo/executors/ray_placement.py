@@ -46,10 +46,20 @@ def connect(address: str | None) -> bool:
         start_local_cluster(**options)
         return True
     loopback = running.rpartition(":")[0] in (LOOPBACK, "localhost", "::1", "[::1]")
-    with (
-        compat.ray_single_machine_mode() if loopback else contextlib.nullcontext()
-    ):  # a cluster on loopback stays there
-        ray.init(address=running, **options)
+    try:
+        with (
+            compat.ray_single_machine_mode() if loopback else contextlib.nullcontext()
+        ):  # a cluster on loopback stays there
+            # the address as given, not `running`: Ray turns on token authentication (on by default for `ray start`)
+            # only for a cluster it finds itself, never for an explicit address, so joining the resolved address of
+            # a cluster `ray start` made fails with an authentication error
+            ray.init(address=address, **options)
+    except ConnectionError as exc:
+        raise ConfigError(
+            f"ray_address={address!r}: could not join the Ray cluster at {running} ({exc}); where the cluster uses "
+            "token authentication (the default of `ray start`), an explicit address also needs RAY_AUTH_MODE=token "
+            "and the cluster's token (RAY_AUTH_TOKEN or ~/.ray/auth_token)"
+        ) from None
     return True
 
 
