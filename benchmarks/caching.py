@@ -2,26 +2,39 @@
 frames against the uncached frames, and the caption pass rate (distvideo.testing.video_check, as
 scripts/demo_model_report.py judges the demo model), for each method at each threshold; in the same run diffusers'
 own FirstBlockCacheConfig and MagCacheConfig hooks on its WanPipeline with the same model, seeds and step counts
-(MagCache with the ratios `distvideo calibrate` stored beside the model).
+(MagCache with the ratios `distvideo calibrate` stored beside the model); and the cache under sp2 and cfg2 (mp, two
+ranks) against the same layout uncached.
 
-    python benchmarks/caching.py --steps 20 50 --captions 24
-    python benchmarks/caching.py --steps 20 --captions 2 --thresholds-fb 0.05 0.1 0.2   # reduced scope
+    python benchmarks/caching.py --steps 20 50 --captions 168 --workers 2 --timed-captions 6 --repeats 3
+    python benchmarks/caching.py --steps 20 --captions 6 --timed-captions 2 --repeats 1 --layouts   # reduced scope
 
-The model's request defaults (17 frames, 64 x 64, guidance 5), one thread per process; each caption's runs follow
-each other, so machine drift hits every setting alike. Prints one markdown table per step count.
+Two phases, so that the quality figures cover every caption and the times come from a quiet machine:
+1. Quality: every setting on each of `--captions` captions (a seeded sample of the 168; all 168 by default), split
+   over `--workers` processes (the figures do not depend on the load). Skipped steps, PSNR, SSIM, captions pass.
+2. Time, in one process after phase 1 (nothing else of this benchmark running): the first `--timed-captions`
+   captions, `--repeats` rounds, each round running every setting once in turn, so that machine drift hits every
+   setting alike; the denoising column is the median over those runs. Then the same for each `--layouts` entry on
+   the mp executor (distvideo's settings only), where every rank must report the inline run's skipped steps.
+The model's request defaults (17 frames, 64 x 64, guidance 5), float32, one thread per rank. Prints one markdown
+table per step count and one for the layouts; `--json` keeps every figure.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("DISTVIDEO_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 import numpy as np
@@ -36,6 +49,9 @@ from distvideo.models.registry import probe_model
 from distvideo.request import GenerationRequest
 from distvideo.testing.shapes import all_captions
 from distvideo.testing.video_check import check_video
+
+LAYOUTS = {"sp2": dict(sp_size=2, cfg_parallel=False), "cfg2": dict(cfg_parallel=True, sp_size=1)}
+Setting = tuple[str, str | None, float]
 
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
@@ -70,82 +86,256 @@ def diffusers_cache(
         transformer.enable_cache(MagCacheConfig(threshold=threshold, num_inference_steps=steps, mag_ratios=ratios))
 
 
-def settings(args: argparse.Namespace) -> list[tuple[str, str | None, float]]:
-    out: list[tuple[str, str | None, float]] = [("distvideo", None, 0.0), ("diffusers", None, 0.0)]
+def settings(args: argparse.Namespace) -> list[Setting]:
+    out: list[Setting] = [("distvideo", None, 0.0), ("diffusers", None, 0.0)]
     for engine in ("distvideo", "diffusers"):
         out += [(engine, "first-block", t) for t in args.thresholds_fb]
         out += [(engine, "mag", t) for t in args.thresholds_mag]
     return out
 
 
-def run_steps(args: argparse.Namespace, gen: VideoGenerator, timer: _DiffusersTimer, steps: int) -> None:
-    info = probe_model(str(args.model))
-    ratios = info.cache_ratios.get(ratios_key(scheduler_name(info.index), steps), [])
-    captions = random.Random(args.seed).sample(all_captions(), args.captions)
-    rows: dict[tuple[str, str | None, float], dict[str, list[float]]] = {}
-    for caption in captions:
-        reference: dict[str, np.ndarray] = {}
-        for engine, method, threshold in settings(args):
-            request = GenerationRequest(prompt=caption.text, seed=args.seed, num_inference_steps=steps)
-            if engine == "distvideo":
-                extra = {} if method is None else {"cache": method, "cache_threshold": threshold}
-                result = gen.generate(
-                    caption.text, seed=args.seed, num_inference_steps=steps, save_video=False, **extra
-                )
-                frames, denoising = result.frames, result.timings["denoising"]
-                skipped = len(result.cache["skipped_steps"]) if result.cache else 0
-            else:
-                diffusers_cache(timer, method, threshold, steps, ratios)
-                out = timer.run(info.resolve_request(request), return_frames=True)
-                frames, denoising, skipped = out["frames"], out["stages"]["denoising"], float("nan")
-            assert frames is not None
-            if method is None:
-                reference[engine] = frames
-            row = rows.setdefault((engine, method, threshold), {"t": [], "psnr": [], "ssim": [], "ok": [], "sk": []})
-            row["t"].append(denoising)
-            row["psnr"].append(psnr(frames, reference[engine]))
-            row["ssim"].append(ssim(frames, reference[engine]))
-            row["ok"].append(float(check_video(frames, caption).ok))
-            row["sk"].append(skipped)
-    print(f"\n{steps} steps, {args.captions} captions (seed {args.seed}), load average {os.getloadavg()[0]:.1f}")
-    print(
-        "| engine | cache | threshold | skipped steps | denoising (s) | vs uncached | PSNR (dB) | SSIM | captions pass |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|")
-    for (engine, method, threshold), row in rows.items():
-        base = statistics.median(rows[(engine, None, 0.0)]["t"])
-        t = statistics.median(row["t"])
-        finite = [p for p in row["psnr"] if np.isfinite(p)]
-        shown_psnr = f"{statistics.median(finite):.1f}" if finite else "identical"
-        print(
-            f"| {engine} | {method or 'none'} | {threshold if method else '-'} | {statistics.median(row['sk']):.0f} | "
-            f"{t:.2f} | {base / t:.2f}x | {shown_psnr} | {statistics.median(row['ssim']):.3f} | "
-            f"{100 * statistics.mean(row['ok']):.0f}% |"
+def key(setting: Setting) -> str:
+    engine, method, threshold = setting
+    return f"{engine}/{method or 'none'}/{threshold if method else '-'}"
+
+
+class Runner:
+    """One inline distvideo engine and one diffusers pipeline on the model, one thread each."""
+
+    def __init__(self, model: Path):
+        torch.set_num_threads(1)
+        self.info = probe_model(str(model))
+        self.timer = _DiffusersTimer(
+            DiffusersSpec(
+                model=str(model),
+                device="cpu",
+                dtypes=dict.fromkeys(("transformer", "vae", "text_encoder"), "float32"),
+                threads=1,
+            )
         )
+        self.gen = VideoGenerator.from_pretrained(str(model), device="cpu", executor="inline")
+
+    def ratios(self, steps: int) -> list[float]:
+        return self.info.cache_ratios.get(ratios_key(scheduler_name(self.info.index), steps), [])
+
+    def run(self, setting: Setting, text: str, seed: int, steps: int) -> tuple[np.ndarray, float, float]:
+        """(frames, denoising seconds, skipped steps: NaN for diffusers, whose hooks do not report them)."""
+        engine, method, threshold = setting
+        if engine == "distvideo":
+            return run_distvideo(self.gen, setting, text, seed, steps)
+        diffusers_cache(self.timer, method, threshold, steps, self.ratios(steps))
+        request = GenerationRequest(prompt=text, seed=seed, num_inference_steps=steps)
+        out = self.timer.run(self.info.resolve_request(request), return_frames=True)
+        return out["frames"], out["stages"]["denoising"], float("nan")
+
+    def close(self) -> None:
+        self.gen.shutdown()  # the diffusers pipeline is this process's own: nothing to stop
+
+
+def run_distvideo(gen: VideoGenerator, setting: Setting, text: str, seed: int, steps: int):
+    _, method, threshold = setting
+    extra = {} if method is None else {"cache": method, "cache_threshold": threshold}
+    result = gen.generate(text, seed=seed, num_inference_steps=steps, save_video=False, **extra)
+    skipped = len(result.cache["skipped_steps"]) if result.cache else 0
+    return result.frames, result.timings["denoising"], float(skipped)
+
+
+def quality(args: argparse.Namespace, captions: list[int]) -> dict[str, Any]:
+    """Phase 1 on these caption indices: {steps: {setting key: {"psnr", "ssim", "ok", "skipped": [per caption]}}}."""
+    runner = Runner(args.model)
+    everything = all_captions()
+    out: dict[str, Any] = {}
+    try:
+        for steps in args.steps:
+            rows: dict[str, dict[str, list[float]]] = {}
+            for index in captions:
+                caption = everything[index]
+                reference: dict[str, np.ndarray] = {}
+                for setting in settings(args):
+                    frames, _, skipped = runner.run(setting, caption.text, args.seed, steps)
+                    if setting[1] is None:
+                        reference[setting[0]] = frames
+                    row = rows.setdefault(key(setting), {"psnr": [], "ssim": [], "ok": [], "skipped": []})
+                    row["psnr"].append(psnr(frames, reference[setting[0]]))
+                    row["ssim"].append(ssim(frames, reference[setting[0]]))
+                    row["ok"].append(float(check_video(frames, caption).ok))
+                    row["skipped"].append(skipped)
+            out[str(steps)] = rows
+    finally:
+        runner.close()
+    return out
+
+
+def quality_in_workers(args: argparse.Namespace, captions: list[int]) -> dict[str, Any]:
+    """Phase 1 split over `args.workers` processes of this script (`--quality-shard`), merged in caption order."""
+    if args.workers <= 1:
+        return quality(args, captions)
+    with tempfile.TemporaryDirectory(prefix="caching-") as tmp:
+        procs, outs = [], []
+        for worker in range(args.workers):
+            out = Path(tmp) / f"{worker}.json"
+            shard = captions[worker :: args.workers]
+            command = [sys.executable, __file__, "--quality-shard", ",".join(map(str, shard)), "--json", str(out)]
+            command += ["--model", str(args.model), "--seed", str(args.seed), "--steps", *map(str, args.steps)]
+            command += ["--thresholds-fb", *map(str, args.thresholds_fb)]
+            command += ["--thresholds-mag", *map(str, args.thresholds_mag)]
+            procs.append(subprocess.Popen(command))
+            outs.append(out)
+        if any(p.wait() != 0 for p in procs):
+            raise SystemExit("a quality worker failed")
+        parts = [json.loads(out.read_text()) for out in outs]
+    merged: dict[str, Any] = {}
+    for part in parts:  # caption order is not kept across workers; every figure below is a median or a mean
+        for steps, rows in part.items():
+            for name, row in rows.items():
+                target = merged.setdefault(steps, {}).setdefault(name, {k: [] for k in row})
+                for k, values in row.items():
+                    target[k] += values
+    return merged
+
+
+def timing(args: argparse.Namespace, captions: list[int]) -> dict[str, Any]:
+    """Phase 2: {steps: {setting key: [denoising seconds]}}, `repeats` rounds over the captions, settings in turn."""
+    runner = Runner(args.model)
+    everything = all_captions()
+    out: dict[str, Any] = {}
+    try:
+        for steps in args.steps:
+            times: dict[str, list[float]] = {}
+            runner.run(settings(args)[0], everything[captions[0]].text, args.seed, steps)  # warm-up
+            for _ in range(args.repeats):
+                for index in captions:
+                    for setting in settings(args):
+                        _, seconds, _ = runner.run(setting, everything[index].text, args.seed, steps)
+                        times.setdefault(key(setting), []).append(seconds)
+            out[str(steps)] = times
+    finally:
+        runner.close()
+    return out
+
+
+def layouts(args: argparse.Namespace, captions: list[int]) -> dict[str, Any]:
+    """Each layout on mp against the same layout uncached: {layout: {steps: {setting key: {"t", "skipped",
+    "max_diff"}}}}; the skipped steps must equal the inline run's on every rank (GenerationResult.cache is rank 0's,
+    and the ranks' decisions are checked equal in tests/test_caching.py), the frames within 2 of inline."""
+    everything = all_captions()
+    ours = [s for s in settings(args) if s[0] == "distvideo"]
+    inline: dict[tuple[int, str, int], tuple[np.ndarray, float]] = {}
+    with VideoGenerator.from_pretrained(str(args.model), device="cpu", executor="inline") as gen:
+        for steps in args.steps:
+            for index in captions:
+                for setting in ours:
+                    frames, _, skipped = run_distvideo(gen, setting, everything[index].text, args.seed, steps)
+                    inline[(steps, key(setting), index)] = (frames, skipped)
+    out: dict[str, Any] = {}
+    for name in args.layouts:
+        with VideoGenerator.from_pretrained(
+            str(args.model), device="cpu", executor="mp", num_gpus=2, **LAYOUTS[name]
+        ) as gen:
+            for steps in args.steps:
+                rows: dict[str, dict[str, list[float]]] = {}
+                run_distvideo(gen, ours[0], everything[captions[0]].text, args.seed, steps)  # warm-up
+                for _ in range(args.repeats):
+                    for index in captions:
+                        for setting in ours:
+                            frames, seconds, skipped = run_distvideo(
+                                gen, setting, everything[index].text, args.seed, steps
+                            )
+                            ref_frames, ref_skipped = inline[(steps, key(setting), index)]
+                            row = rows.setdefault(key(setting), {"t": [], "skipped": [], "max_diff": []})
+                            row["t"].append(seconds)
+                            row["skipped"].append(skipped)
+                            row["max_diff"].append(float(np.abs(frames.astype(int) - ref_frames.astype(int)).max()))
+                            if skipped != ref_skipped:
+                                raise SystemExit(
+                                    f"{name} {key(setting)}: skipped {skipped} steps, inline {ref_skipped}"
+                                )
+                out.setdefault(name, {})[str(steps)] = rows
+    return out
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def print_tables(args: argparse.Namespace, report: dict[str, Any]) -> None:
+    for steps in map(str, args.steps):
+        q, t = report["quality"][steps], report["timing"][steps]
+        print(f"\n{steps} steps: quality over {report['captions']} captions, times over {report['timed_captions']} x "
+              f"{args.repeats} runs (seed {args.seed})")  # fmt: skip
+        print(
+            "| engine | cache | threshold | skipped steps | denoising (s) | vs uncached | PSNR (dB) | SSIM | captions pass |"
+        )
+        print("|---|---|---|---|---|---|---|---|---|")
+        for setting in settings(args):
+            name, engine = key(setting), setting[0]
+            base, now = median(t[key((engine, None, 0.0))]), median(t[name])
+            row = q[name]
+            finite = [p for p in row["psnr"] if np.isfinite(p)]
+            shown = (
+                "identical"
+                if not finite
+                else f"{median(finite):.1f}" + ("" if len(finite) == len(row["psnr"]) else "*")
+            )
+            skipped = [s for s in row["skipped"] if np.isfinite(s)]
+            print(
+                f"| {engine} | {setting[1] or 'none'} | {setting[2] if setting[1] else '-'} | "
+                f"{f'{median(skipped):.0f}' if skipped else '-'} | {now:.3f} | {base / now:.2f}x | {shown} | "
+                f"{median(row['ssim']):.3f} | {100 * statistics.mean(row['ok']):.1f}% |"
+            )
+    for name, by_steps in report.get("layouts", {}).items():
+        for steps, rows in by_steps.items():
+            print(f"\n{name} (mp, 2 ranks), {steps} steps, {report['timed_captions']} captions x {args.repeats} runs")
+            print(
+                "| cache | threshold | skipped steps (= inline) | denoising (s) | vs uncached "
+                + name
+                + " | max diff vs inline |"
+            )
+            print("|---|---|---|---|---|---|")
+            base = median(rows["distvideo/none/-"]["t"])
+            for setting_key, row in rows.items():
+                _, method, threshold = setting_key.split("/")
+                print(f"| {method} | {threshold} | {median(row['skipped']):.0f} | {median(row['t']):.3f} | "
+                      f"{base / median(row['t']):.2f}x | {max(row['max_diff']):.0f} |")  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=DEMO_MODEL_DIR)
     parser.add_argument("--steps", type=int, nargs="+", default=[20, 50])
-    parser.add_argument("--captions", type=int, default=24)
+    parser.add_argument("--captions", type=int, default=168, help="captions for the quality figures (of 168)")
+    parser.add_argument("--timed-captions", type=int, default=6, help="the first N of them are also timed")
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds over the timed captions")
+    parser.add_argument("--workers", type=int, default=1, help="processes for the quality phase")
+    parser.add_argument("--layouts", nargs="*", default=["sp2", "cfg2"], choices=sorted(LAYOUTS))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--thresholds-fb", type=float, nargs="+", default=[0.05, 0.1, 0.2])
     parser.add_argument("--thresholds-mag", type=float, nargs="+", default=[0.03, 0.06, 0.12])
+    parser.add_argument("--json", type=Path, help="write every figure here")
+    parser.add_argument("--quality-shard", help=argparse.SUPPRESS)  # a phase-1 worker: these caption indices
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    spec = DiffusersSpec(
-        model=str(args.model),
-        device="cpu",
-        dtypes=dict.fromkeys(("transformer", "vae", "text_encoder"), "float32"),
-        threads=1,
-    )
-    timer = _DiffusersTimer(spec)
+    if args.quality_shard is not None:
+        report = quality(args, [int(i) for i in args.quality_shard.split(",") if i])
+        args.json.write_text(json.dumps(report))
+        return
+    count = len(all_captions())
+    if not 1 <= args.captions <= count or not 1 <= args.timed_captions <= args.captions or args.repeats < 1:
+        parser.error(f"need 1 <= --timed-captions <= --captions <= {count} and --repeats >= 1")
+    captions = random.Random(args.seed).sample(range(count), args.captions)
     start = time.perf_counter()
-    with VideoGenerator.from_pretrained(str(args.model), device="cpu", executor="inline") as gen:
-        for steps in args.steps:
-            run_steps(args, gen, timer, steps)
-    print(f"\n{time.perf_counter() - start:.0f} s in all")
+    report: dict[str, Any] = {"captions": args.captions, "timed_captions": args.timed_captions, "args": vars(args)}
+    report["quality"] = quality_in_workers(args, captions)
+    quality_s = time.perf_counter() - start
+    report["load_before_timing"] = os.getloadavg()
+    report["timing"] = timing(args, captions[: args.timed_captions])
+    report["layouts"] = layouts(args, captions[: args.timed_captions]) if args.layouts else {}
+    report["load_after_timing"] = os.getloadavg()
+    print_tables(args, report)
+    print(f"\nquality phase {quality_s:.0f} s, {time.perf_counter() - start:.0f} s in all; load average before the "
+          f"timing {report['load_before_timing'][0]:.2f}, after {report['load_after_timing'][0]:.2f}")  # fmt: skip
+    if args.json:
+        report["args"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+        args.json.write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":
