@@ -107,7 +107,30 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         terminalreporter.write_line("test order: the files' order (pytest-randomly is off)")
 
 
+# --- jobs in the background ---------------------------------------------------------------------------------------
+# A test module may name jobs that mostly wait (processes waiting out a timeout): BACKGROUND_JOBS, fixture name ->
+# (start, stop). When a collected test uses that fixture, `start` runs as soon as collection ends, so the waiting
+# overlaps the rest of the suite instead of holding it up; the fixture then collects the outcomes. `stop` runs at the
+# session's end whatever happened (the fixture stops them itself when it is done).
+_background_stops: list = []
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if session.config.option.collectonly:
+        return
+    started = set()
+    for item in session.items:
+        jobs = getattr(getattr(item, "module", None), "BACKGROUND_JOBS", {})
+        for fixture, (start, stop) in jobs.items():
+            if fixture in getattr(item, "fixturenames", ()) and start not in started:
+                started.add(start)
+                _background_stops.append(stop)
+                start()
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    for stop in _background_stops:
+        stop()
     launchers = sys.modules.get("launchers")
     if launchers is not None:
         launchers.stop_local_slurm()

@@ -12,12 +12,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -311,30 +313,77 @@ class Job:
         return read_float(self.out / end) - read_float(self.out / start)  # type: ignore[operator]
 
 
-@pytest.fixture(scope="module")
-def waiting_jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Job]:
-    """Four hand-started jobs at once, since they mostly wait: the stuck pair, the pair where rank 1 fails alone, and
-    rank 0 and rank 1 of two other jobs, each started without its peer."""
-    specs = {"stuck": ("stuck", (0, 1)), "fails_alone": ("fails_alone", (0, 1))}
-    specs |= {"alone0": ("never_joins", (0,)), "alone1": ("never_joins", (1,))}
-    started = {}
+# Four hand-started jobs that mostly wait (about 25 s, for dist_timeout and the store client's retries): the stuck
+# pair, the pair where rank 1 fails alone, and rank 0 and rank 1 of two other jobs, each started without its peer. They
+# start as soon as the session has collected a test that uses `waiting_jobs` (conftest.py runs BACKGROUND_JOBS after
+# collection), so their waiting overlaps the rest of the suite; the fixture collects what they left.
+WAITING_JOBS = {
+    "stuck": ("stuck", (0, 1)),
+    "fails_alone": ("fails_alone", (0, 1)),
+    "alone0": ("never_joins", (0,)),
+    "alone1": ("never_joins", (1,)),
+}
+
+
+@dataclass
+class Waiting:
+    base: Path
+    began: float
+    started: dict[str, tuple[Path, HandStarted]]
+
+
+_waiting: list[Waiting] = []
+
+
+def start_waiting_jobs() -> None:
+    """Start the waiting jobs once per session (a second call finds them started)."""
+    if _waiting:
+        return
+    base = Path(tempfile.mkdtemp(prefix="distvideo-waiting-jobs-"))
+    waiting = Waiting(base, time.monotonic(), {})
+    _waiting.append(waiting)
     try:
-        for name, (scenario, ranks) in specs.items():
-            out = tmp_path_factory.mktemp(name)
-            started[name] = (out, HandStarted([str(SCRIPT), str(out), scenario], out, ranks=ranks))
-        began, jobs = time.monotonic(), {}
-        for name, (out, job) in started.items():
+        for name, (scenario, ranks) in WAITING_JOBS.items():
+            out = base / name
+            out.mkdir()
+            waiting.started[name] = (out, HandStarted([str(SCRIPT), str(out), scenario], out, ranks=ranks))
+    except BaseException:
+        stop_waiting_jobs()
+        raise
+
+
+def stop_waiting_jobs() -> None:
+    """Kill whatever is still running and remove the jobs' folder (also at the session's end, by conftest.py)."""
+    while _waiting:
+        waiting = _waiting.pop()
+        for _, job in waiting.started.values():
+            job.kill()
+        shutil.rmtree(waiting.base, ignore_errors=True)
+
+
+BACKGROUND_JOBS = {"waiting_jobs": (start_waiting_jobs, stop_waiting_jobs)}
+
+
+@pytest.fixture(scope="module")
+def waiting_jobs() -> Iterator[dict[str, Job]]:
+    """The waiting jobs' outcomes, each job given its own time limit from the moment they started."""
+    start_waiting_jobs()  # started already, unless the session's hook did not run (then they start now)
+    waiting = _waiting[0]
+    try:
+        jobs = {}
+        for name, (out, job) in waiting.started.items():
             limit = LONE_FAILURE_LAUNCH_TIMEOUT if name == "fails_alone" else LAUNCH_TIMEOUT
             try:  # a job past its limit fails its own test, not the others'
-                returncodes = job.wait(max(1.0, began + limit - time.monotonic()))
+                returncodes = job.wait(max(1.0, waiting.began + limit - time.monotonic()))
             except pytest.fail.Exception as exc:
                 returncodes = None
                 print(f"{name}: {exc}", flush=True)
             jobs[name] = Job(out, returncodes, job.output())
-        return jobs
-    finally:
-        for _, job in started.values():  # none is left running when one of them fails the fixture
+        for _, job in waiting.started.values():  # none is left running when one of them fails the fixture
             job.kill()
+        yield jobs
+    finally:
+        stop_waiting_jobs()
 
 
 @pytest.mark.parametrize("rank", [0, 1])
