@@ -1,9 +1,10 @@
 """Ring attention and USP (sp = ulysses x ring): the log-sum-exp merge against full attention (one process), and
 frames within 2 of one rank for ring 2 (mp), ring 4, ulysses 2 x ring 2, cfg 2 x ring 2, a 6-head checkpoint at sp 4
-(Ulysses 2 takes what divides the heads, ring 2 the rest), Wan2.2 TI2V-5B (per-token timesteps) at ring 4 and Wan2.2
-A14B (two experts) at cfg 2 x ring 2 (4 ranks in one srun launch over two emulated nodes, so a ring spans the nodes
-while Ulysses stays in one) and cfg 2 x ulysses 2 x ring 2 (8 ranks under torchrun). Sizes are tiny and steps 2: 8
-gloo ranks share 2 cores here.
+(Ulysses 2 takes what divides the heads, ring 2 the rest), every family at ring 4 (Wan2.1 I2V, Wan2.2 TI2V-5B with
+per-token timesteps, HunyuanVideo 1.5 T2V and I2V, whose joint attention merges the valid text keys with the ring's
+video blocks) and Wan2.2 A14B (two experts) at cfg 2 x ring 2 (4 ranks in one srun launch over two emulated nodes, so
+a ring spans the nodes while Ulysses stays in one) and cfg 2 x ulysses 2 x ring 2 (8 ranks under torchrun). Sizes are
+tiny and steps 2: 8 gloo ranks share 2 cores here.
 """
 
 from __future__ import annotations
@@ -21,6 +22,12 @@ from distvideo.models import compat
 from distvideo.parallel.ring import merge_partials, real_keys
 from distvideo.testing.checkpoints import build_tiny_wan
 from family_checkpoints import family_checkpoint, test_image
+from test_hunyuan import NEGATIVE as HUNYUAN_NEGATIVE
+from test_hunyuan import PROMPT as HUNYUAN_PROMPT
+from test_hunyuan import REQUEST as HUNYUAN_REQUEST
+from test_hunyuan import hunyuan_checkpoint
+from test_hunyuan_i2v import REQUEST as HUNYUAN_I2V_REQUEST
+from test_hunyuan_i2v import hunyuan_i2v_checkpoint
 
 from conftest import REPO, max_abs_diff
 from launchers import format_output, run_launcher
@@ -32,10 +39,16 @@ ODD = dict(num_frames=9, height=48, width=48, num_inference_steps=2, seed=2)
 IMAGE = "<image>"  # replaced by the session's test image
 REQUESTS = {
     "odd": ODD,
+    # Wan2.1 I2V (CLIP image tokens, the image latent on 36 channels): 2 x 3 x 3 = 18 tokens, padded to 20 on 4 ranks
+    "i2v": dict(image=IMAGE, num_frames=5, height=48, width=48, num_inference_steps=2, guidance_scale=5.0, seed=4),
     # TI2V-5B: 3 x 3 x 1 = 9 tokens, padded to 12 on 4 ranks: the last ring chunk is padding only
     "ti2v": dict(image=IMAGE, num_frames=9, height=96, width=32, num_inference_steps=2, seed=6),
     # A14B: UniPC with shift 12 at 4 steps, both experts; 2 x 2 x 3 = 12 tokens
     "moe": dict(num_frames=5, height=32, width=48, num_inference_steps=4, guidance_scale=4.0, guidance_scale_2=2.5),
+    # HunyuanVideo 1.5, tests/test_hunyuan.py's request (a glyph prompt and a negative one): 3 x 3 x 5 = 45 video
+    # tokens, padded to 48 on 4 ranks; I2V at the image's bucket, 48 x 64: 3 x 3 x 4 = 36
+    "hv15": dict(prompt=HUNYUAN_PROMPT, negative_prompt=HUNYUAN_NEGATIVE, **HUNYUAN_REQUEST),
+    "hv15-i2v": dict(prompt=HUNYUAN_PROMPT, negative_prompt=HUNYUAN_NEGATIVE, image=IMAGE, **HUNYUAN_I2V_REQUEST),
 }
 # (name, model, request, sp_size, cfg_parallel, ulysses_size, ring_size, want (ulysses, ring))
 FOUR_RANKS = [
@@ -43,8 +56,11 @@ FOUR_RANKS = [
     ("u2r2", "embedded", "odd", 4, False, 2, 2, [2, 2]),
     ("cfg2r2", "embedded", "odd", 2, True, 1, 2, [1, 2]),
     ("heads6-sp4", "heads6", "odd", 4, False, None, None, [2, 2]),  # 4 does not divide 6 heads: no longer refused
+    ("i2v-ring4", "wan21_i2v", "i2v", 4, False, None, 4, [1, 4]),
     ("ti2v-ring4", "wan22_ti2v_5b", "ti2v", 4, False, None, 4, [1, 4]),
     ("moe-cfg2r2", "wan22_t2v_a14b", "moe", 2, True, None, 2, [1, 2]),
+    ("hv15-ring4", "hunyuan15", "hv15", 4, False, None, 4, [1, 4]),
+    ("hv15-i2v-ring4", "hunyuan15_i2v", "hv15-i2v", 4, False, None, 4, [1, 4]),
 ]
 EIGHT_RANKS = [("cfg2u2r2", "embedded", "odd", 4, True, 2, 2, [2, 2])]
 
@@ -80,8 +96,14 @@ def test_real_keys_leave_the_padding_out():
 @pytest.fixture(scope="module")
 def models(tiny_model, tmp_path_factory) -> dict[str, Path]:
     heads6 = build_tiny_wan(tmp_path_factory.mktemp("heads6") / "ckpt", num_attention_heads=6, num_layers=2, seed=5)
-    families = {name: family_checkpoint(tmp_path_factory, name) for name in ("wan22_ti2v_5b", "wan22_t2v_a14b")}
-    return {"embedded": tiny_model, "heads6": heads6, **families}
+    families = {
+        name: family_checkpoint(tmp_path_factory, name) for name in ("wan21_i2v", "wan22_ti2v_5b", "wan22_t2v_a14b")
+    }
+    hunyuan = {
+        "hunyuan15": hunyuan_checkpoint(tmp_path_factory),
+        "hunyuan15_i2v": hunyuan_i2v_checkpoint(tmp_path_factory),
+    }
+    return {"embedded": tiny_model, "heads6": heads6, **families, **hunyuan}
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +112,8 @@ def image(tmp_path_factory) -> str:
 
 
 def _kwargs(request: str, image: str) -> dict:
-    return {k: (image if v == IMAGE else v) for k, v in REQUESTS[request].items()}
+    """The request's keywords for generate(), its prompt among them (PROMPT unless the request names one)."""
+    return {"prompt": PROMPT} | {k: (image if v == IMAGE else v) for k, v in REQUESTS[request].items()}
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +123,7 @@ def single_rank(models, image) -> dict[tuple[str, str], np.ndarray]:
         if (model, request) in frames:
             continue
         with VideoGenerator.from_pretrained(models[model], executor="inline") as gen:
-            frames[(model, request)] = gen.generate(PROMPT, save_video=False, **_kwargs(request, image)).frames
+            frames[(model, request)] = gen.generate(save_video=False, **_kwargs(request, image)).frames
             assert frames[(model, request)].std() > 1.0, "flat frames would prove nothing"
     return frames
 
@@ -131,7 +154,8 @@ def _check(tmp: Path, report: dict, engines: list[tuple], single_rank: dict) -> 
     for name, model, request, *_, want in engines:
         entry = report[f"{name}-{request}"]
         assert all(c["usp"] == want for c in entry["plan_counts"]), (name, entry["plan_counts"])
-        # ring - 1 passes per self-attention (2 layers), per step, one branch per rank or two without cfg
+        # ring - 1 passes per self-attention (2 layers: Wan's blocks' attn1, HunyuanVideo's transformer_blocks' joint
+        # attn; the refiner's stays local), per step, one branch per rank or two without cfg (every request guides)
         steps = REQUESTS[request]["num_inference_steps"]
         forwards = steps * (1 if any(c["layout"][1] == 2 for c in entry["plan_counts"]) else 2)
         passes = (want[1] - 1) * 2 * forwards

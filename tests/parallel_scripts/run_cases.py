@@ -3,13 +3,15 @@
 usage: run_cases.py CASES_JSON OUT_DIR
 
 CASES_JSON holds a list of engines, each {"name", "model", "sp_size", "cfg_parallel", "requests": [{"name",
-"kwargs"}]} and optionally "ulysses_size" and "ring_size" (USP). Every engine is a VideoGenerator on the external executor (all alive at once, so one launch serves
-them all). Rank 0 saves each request's frames as OUT_DIR/<engine>-<request>.npy and writes OUT_DIR/report.json with
-the collectives counted per request: real calls of torch.distributed.all_to_all_single (patched here) and the plans'
-own counters. An engine may also ask for "decode_checks": latent shapes decoded with the banded decoder and on one
-rank, whose float difference goes into the report; and for "tiling_checks": latent shapes decoded with diffusers'
-tiled decode enabled (small tiles, so it tiles), where the banded decoder must fall back to rank 0 alone: the float
-difference from a plain tiled decode, the halo exchanges and gathers made, per rank.
+"kwargs"}]} and optionally "ulysses_size" and "ring_size" (USP). A request's "kwargs" go to generate() as they are
+(negative_prompt among them); its "prompt" is PROMPT unless they name one. Every engine is a VideoGenerator on the
+external executor (all alive at once, so one launch serves them all). Rank 0 saves each request's frames as
+OUT_DIR/<engine>-<request>.npy and writes OUT_DIR/report.json with the collectives counted per request: real calls of
+torch.distributed.all_to_all_single (patched here) and the plans' own counters. An engine may also ask for
+"decode_checks": latent shapes decoded with the banded decoder and on one rank, whose float difference goes into the
+report; and for "tiling_checks": latent shapes decoded with diffusers' tiled decode enabled (small tiles, so it
+tiles), where the banded decoder must fall back to rank 0 alone: the float difference from a plain tiled decode, the
+halo exchanges and gathers made, per rank.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch.distributed as dist
 
 from distvideo import VideoGenerator
 
+PROMPT = "a red fox running through snow"
 REAL_CALLS: Counter[str] = Counter()
 _all_to_all_single = dist.all_to_all_single
 
@@ -115,7 +118,7 @@ def main() -> None:
                 key = f"{case['name']}-{request['name']}"
                 gen.collective_rpc(reset_counts)
                 REAL_CALLS.clear()
-                res = gen.generate("a red fox running through snow", save_video=False, **request["kwargs"])
+                res = gen.generate(save_video=False, **{"prompt": PROMPT, **request["kwargs"]})
                 counts = gen.collective_rpc(plan_counts)
                 per_rank: list[Any] = [None] * dist.get_world_size()
                 dist.all_gather_object(per_rank, (dict(REAL_CALLS), res.frames is not None))
