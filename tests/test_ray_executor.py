@@ -87,12 +87,19 @@ def test_cancel_from_another_thread_stops_every_rank(ray_cluster):
 
 
 def test_an_actor_killed_mid_generation_is_reported_within_seconds(ray_cluster):
+    """The kill follows the first step's progress event and waits until the actor is gone: every step has a
+    collective, so rank 0 cannot finish the 200 steps without rank 1 (a timer raced a generation that took 1 s)."""
     gen = VideoGenerator.from_pretrained(executor="ray", num_gpus=2)
     pid = gen.collective_rpc(lambda w: os.getpid())[1]
-    threading.Timer(1.0, lambda: os.kill(pid, 9)).start()
+
+    def kill_rank_1_once(done, total):
+        if done == 1:
+            os.kill(pid, signal.SIGKILL)
+            assert wait_gone([pid], within=10) == []
+
     started = time.monotonic()
     with pytest.raises(WorkerDiedError, match="rank 1 died"):
-        gen.generate(PROMPT, **{**REQUEST, "num_inference_steps": 200})
+        gen.generate(PROMPT, **{**REQUEST, "num_inference_steps": 200}, on_progress=kill_rank_1_once)
     assert time.monotonic() - started < 30, "a dead actor must be seen at once, not at dist_timeout"
     with pytest.raises(RuntimeError, match="dead"):
         gen.collective_rpc("ping")
