@@ -269,9 +269,9 @@ def _decode(data: bytes | str | None) -> str:
     return data
 
 
-def _base_env() -> dict[str, str]:
+def _base_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
     env = {}
-    for key, value in os.environ.items():
+    for key, value in (os.environ if base is None else base).items():
         if key in _INHERITED_DROP_EXACT or key in _INHERITED_DROP_OUTPUT:
             continue
         if key.startswith(_INHERITED_DROP_PREFIXES) and not key.startswith(_INHERITED_KEEP_PREFIXES):
@@ -280,10 +280,10 @@ def _base_env() -> dict[str, str]:
     return env
 
 
-def launcher_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Environment for launched programs: os.environ without launcher/job variables and PYTHONUNBUFFERED,
+def launcher_env(env: Mapping[str, str] | None = None, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Environment for launched programs: os.environ (or ``base``) without launcher/job variables and PYTHONUNBUFFERED,
     then DEFAULT_CHILD_ENV and GLOO_SOCKET_IFNAME=lo where unset, then ``env`` (which wins)."""
-    child = _base_env()
+    child = _base_env(base)
     for key, value in DEFAULT_CHILD_ENV.items():
         child.setdefault(key, value)
     if "GLOO_SOCKET_IFNAME" not in child and Path("/sys/class/net/lo").exists():

@@ -77,6 +77,19 @@ class Served:
         """Let the held job (HELD, on a server started with hold=True) go on after its first step."""
         self.release_path.touch()
 
+    def hold_again(self) -> None:
+        """After `release()`: HELD jobs created from now on wait after their first step again, until the next release."""
+        self.release_path.unlink(missing_ok=True)
+
+    def wait_log(self, text: str, count: int = 1, timeout: float = 60.0) -> str:
+        """Poll the server's log until `text` is in it `count` times (a deadline, not a delay); the log."""
+        deadline = time.monotonic() + timeout
+        while (log := self.log()).count(text) < count:
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                pytest.fail(f"the log never said {text!r} {count} time(s):\n{log[-4000:]}")
+            time.sleep(0.05)
+        return log
+
     def close(self) -> None:
         if self.client is not None:
             self.client.close()

@@ -7,6 +7,7 @@ loopback. The executor contract and cancellation run on Ray in test_executor_con
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -18,11 +19,13 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from subprocess import CompletedProcess
 
 import numpy as np
 import pytest
 import ray  # noqa: F401 (make setup installs distvideo[ray]: a missing Ray fails here)
 
+from background import BackgroundJob, run_program
 from distvideo import VideoGenerator
 from distvideo.errors import ConfigError, WorkerDiedError
 from distvideo.executors.ray_placement import rank_order, rendezvous_kind
@@ -35,6 +38,41 @@ from ray_cluster import is_loopback, leftovers, session_cluster  # noqa: F401 (t
 from serving_harness import SMALL, start_server
 
 pytestmark = pytest.mark.slow
+
+
+def _script_on_a_cluster_of_its_own(
+    script: str, timeout: float, stopping: threading.Event, environ: dict[str, str]
+) -> CompletedProcess[str]:
+    """A rank script in a fresh process, with nothing of the session's cluster in its environment and an empty
+    RAY_TMPDIR of its own (kept short: Ray's socket paths are limited), so the clusters it starts are found by no other
+    test, nor is `ray start`'s record in /tmp/ray that test_joins_the_cluster_ray_start_made reads touched."""
+    ray_tmp = tempfile.mkdtemp(prefix="dvray-", dir="/tmp")
+    env = {k: v for k, v in environ.items() if not k.startswith("RAY_")}
+    path = os.pathsep.join(filter(None, [str(REPO / "tests"), environ.get("PYTHONPATH")]))
+    env.update(PYTHONPATH=path, RAY_TMPDIR=ray_tmp, DISTVIDEO_NO_PROGRESS="1")
+    try:
+        return run_program([sys.executable, str(REPO / "tests" / "rank_scripts" / script)], stopping, timeout, env=env)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+# Two scripts that each start a cluster of their own and print what they saw (10 s and 20 s): they run in the
+# background while the rest of the suite runs (background.py), and their tests check what they printed.
+LOOPBACK = BackgroundJob("ray_loopback.py", functools.partial(_script_on_a_cluster_of_its_own, "ray_loopback.py", 120))
+TWO_NODES = BackgroundJob(
+    "ray_two_nodes.py", functools.partial(_script_on_a_cluster_of_its_own, "ray_two_nodes.py", 400)
+)
+BACKGROUND_JOBS = {"loopback_run": (LOOPBACK.start, LOOPBACK.stop), "two_nodes_run": (TWO_NODES.start, TWO_NODES.stop)}
+
+
+@pytest.fixture
+def loopback_run() -> CompletedProcess[str]:
+    return LOOPBACK.result()
+
+
+@pytest.fixture
+def two_nodes_run() -> CompletedProcess[str]:
+    return TWO_NODES.result()
 
 
 def test_frames_match_inline_and_the_video_is_byte_identical_to_mp(ray_cluster, tmp_path):
@@ -237,18 +275,11 @@ def test_hunyuan_frames_are_the_bytes_of_mp(ray_cluster, tmp_path_factory):
     assert leftovers() == ([], 0)
 
 
-def test_nothing_of_a_local_cluster_the_executor_starts_listens_beyond_loopback():
+def test_nothing_of_a_local_cluster_the_executor_starts_listens_beyond_loopback(loopback_run):
     """In a fresh process with no cluster to find (an empty RAY_TMPDIR, kept short: Ray's socket paths are limited),
     the executor starts its own; every listening socket of it (GCS, raylet, agents, workers, the driver) and of the
     rank actors (Ray's server, gloo) is on 127.0.0.1 or ::1."""
-    script = REPO / "tests" / "rank_scripts" / "ray_loopback.py"
-    ray_tmp = tempfile.mkdtemp(prefix="dvray-", dir="/tmp")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}  # nothing of this process's cluster
-    env.update(PYTHONPATH=str(REPO / "tests"), RAY_TMPDIR=ray_tmp, DISTVIDEO_NO_PROGRESS="1")
-    try:
-        proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
+    proc = loopback_run
     assert proc.returncode == 0, proc.stdout + proc.stderr
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
     assert seen["node"] == "127.0.0.1" and seen["frames"]
@@ -285,14 +316,11 @@ def test_batch_and_a_served_job(ray_cluster, tmp_path):
     assert leftovers() == ([], 0)
 
 
-def test_two_emulated_nodes_order_ranks_by_node_and_serve_two_replicas():
+def test_two_emulated_nodes_order_ranks_by_node_and_serve_two_replicas(two_nodes_run):
     """One rank per emulated node; then a service with one replica on each node: its replicas meet the driver in rank
     0's TCPStore (every node reaches it), not in a file store of the driver's machine, and each runs a job with the
     bytes of one inline rank."""
-    script = REPO / "tests" / "rank_scripts" / "ray_two_nodes.py"
-    path = os.pathsep.join(filter(None, [str(REPO / "tests"), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "PYTHONPATH": path, "DISTVIDEO_NO_PROGRESS": "1"}
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=400, env=env)
+    proc = two_nodes_run
     assert proc.returncode == 0, proc.stdout + proc.stderr
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
     (node0, local0, count0), (node1, local1, count1) = seen["placed"]

@@ -135,11 +135,16 @@ def test_two_replicas_under_mp(tmp_path):
         }
         assert sum(jobs.values()) == 8 and len(jobs) == 2, jobs
 
-        # SIGTERM: both running jobs finish within the grace, then every rank stops and the server exits 0
-        draining = [server.create(prompt=f"a drain {i}", **LONG) for i in range(2)]
+        # SIGTERM: both running jobs finish within the grace, then every rank stops and the server exits 0. The jobs
+        # are held after their first step until the server has seen the signal: they are running when it comes.
+        server.hold_again()
+        draining = [server.create(prompt=f"a drain {i}", **HELD) for i in range(2)]
         for job in draining:
             server.wait_progress(job["id"])
-        code = server.stop(signal.SIGTERM)
+        server.proc.send_signal(signal.SIGTERM)
+        server.wait_log("SIGTERM received")
+        server.release()
+        code = server.wait_exit()
         log = server.log()
         assert code == 0 and "distvideo serve: stopped" in log and "Traceback" not in log, log[-4000:]
         store = jobs_in_store(server.output)

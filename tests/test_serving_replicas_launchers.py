@@ -91,12 +91,16 @@ def test_two_replicas_under_a_launcher(tmp_path, launcher):
         assert server.wait(faulty["id"])["error"]["code"] == "generation_failed"
         assert server.wait(server.create(prompt="a boat", **SMALL)["id"])["status"] == "completed"
 
-        draining = [server.create(prompt=f"a drain {i}", **{**SMALL, "num_inference_steps": 120}) for i in range(2)]
+        # SIGTERM while both replicas run a job (held after its first step until every rank has seen the signal)
+        server.hold_again()
+        draining = [server.create(prompt=f"a drain {i}", **HELD) for i in range(2)]
         for job in draining:
             server.wait_progress(job["id"])
         if launcher == "torchrun":
-            code = server.stop(signal.SIGTERM)  # torchrun forwards it to every rank
-            assert_stopped_cleanly("torchrun", code, server.log())
+            server.proc.send_signal(signal.SIGTERM)  # torchrun forwards it to every rank
+            server.wait_log("SIGTERM received", count=2)
+            server.release()
+            assert_stopped_cleanly("torchrun", server.wait_exit(), server.log())
         else:
             # as Slurm stops a step: SIGTERM to every task (srun itself answers a SIGTERM by killing the step)
             tasks = [
@@ -106,6 +110,8 @@ def test_two_replicas_under_a_launcher(tmp_path, launcher):
             assert len(tasks) == 2, [p.info["cmdline"] for p in tasks]
             for task in tasks:
                 task.send_signal(signal.SIGTERM)
+            server.wait_log("SIGTERM received", count=2)
+            server.release()
             code, log = server.wait_exit(), server.log()
             assert code == 0, log[-4000:]
             assert "distvideo serve: stopped (rank 0)" in log and "distvideo serve: rank 1 stopped" in log, log
