@@ -401,6 +401,7 @@ def build_launch(
     timeout: float = 300,
     job_name: str | None = None,
     launcher_args: Sequence[str] = (),
+    base: Mapping[str, str] | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """Command line and environment that run ``argv`` as ``nproc`` ranks under ``launcher``.
 
@@ -409,7 +410,8 @@ def build_launch(
     caller must have started the local Slurm (``start_local_slurm``) and passed its env additions in ``env``; ``nodes``
     (srun only) spreads the ranks over that many emulated nodes, ``nproc / nodes`` per node. mpirun and mpiexec get a
     MASTER_PORT that was free a moment ago (rank 0 binds it); the callers retry a launch whose rank 0 found it taken
-    (``port_was_taken``). ``launcher_args`` are inserted right after the launcher's own options.
+    (``port_was_taken``). ``launcher_args`` are inserted right after the launcher's own options. ``base``: the
+    environment to start from instead of os.environ (a background job's copy, tests/background.py).
     """
     if launcher not in LAUNCHERS:
         raise ValueError(f"unknown launcher {launcher!r}; expected one of {LAUNCHERS}")
@@ -420,7 +422,7 @@ def build_launch(
     argv = [str(a) for a in argv]
     if not argv:
         raise ValueError("argv is empty")
-    child_env = launcher_env(env)
+    child_env = launcher_env(env, base)
     program = argv if not python else [python_executable(), *argv]
 
     if launcher == "torchrun":
@@ -527,6 +529,7 @@ def run_launcher(
     check: bool = False,
     launcher_args: Sequence[str] = (),
     timeout_from: Callable[[], bool] | None = None,
+    base: Mapping[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
     """Launch ``argv`` as ``nproc`` ranks under ``launcher`` ("torchrun", "srun", "mpirun" or "mpich") and wait.
 
@@ -535,7 +538,7 @@ def run_launcher(
     and ``LauncherTimeout`` (an AssertionError) is raised with the output. ``check=True`` fails the test on a non-zero
     return code. ``python=False`` runs ``argv[0]`` as an executable (torchrun ``--no-python``); ``kill_on_bad_exit``
     is srun's ``--kill-on-bad-exit``. An MPI or srun launch whose rank 0 found its rendezvous port taken is started
-    again with a new port (up to 3 times).
+    again with a new port (up to 3 times). ``base``: as for ``build_launch``.
     """
     require_launcher(launcher)
     env = dict(env or {})
@@ -568,6 +571,7 @@ def run_launcher(
             timeout=timeout,
             job_name=job_name,
             launcher_args=launcher_args,
+            base=base,
         )
         proc = run_command(
             cmd, env=child_env, timeout=timeout, cwd=cwd, on_timeout=on_timeout, timeout_from=timeout_from

@@ -13,11 +13,17 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from background import BackgroundJob
 from distvideo import VideoGenerator
 from distvideo.models.embedded import DEMO_MODEL_DIR, embedded_model_path
 from distvideo.testing.shapes import Caption, all_captions
@@ -101,22 +107,50 @@ def test_a_changed_caption_fails_the_check(inline_frames) -> None:
         )
 
 
+@dataclass
+class Launched:
+    proc: subprocess.CompletedProcess
+    results: list[dict]  # the report's JSON, [] if it wrote none
+    frames: list[np.ndarray | None]  # each caption's frames, as the report saved them (None: not saved)
+
+
+def _launch_sp2_cfg2(stopping: threading.Event, environ: dict[str, str]) -> Launched:
+    """The report script itself, as a user runs it under a launcher (4 ranks: sp=2 x cfg=2), in a folder of its own."""
+    tmp = Path(tempfile.mkdtemp(prefix="distvideo-demo-torchrun-"))
+    try:
+        out = tmp / "results.json"
+        argv = [str(REPORT), "--model", str(DEMO_MODEL_DIR), "--executor", "external", "--sp-size", "2"]
+        argv += ["--cfg-parallel", "--json", str(out), "--frames", str(tmp)]
+        for caption in PARALLEL:
+            argv += ["--caption", caption.text]
+        proc = run_launcher("torchrun", argv, nproc=4, timeout=400, base=environ)
+        results = json.loads(out.read_text()) if out.is_file() else []
+        saved = [tmp / f"{i:03d}.npy" for i in range(len(PARALLEL))]
+        return Launched(proc, results, [np.load(p) if p.is_file() else None for p in saved])
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# a 4-rank launch (18 s) whose outcome is all the test checks: in the background (background.py)
+LAUNCH = BackgroundJob("demo model, torchrun sp2 x cfg2", _launch_sp2_cfg2)
+BACKGROUND_JOBS = {"launched_sp2_cfg2": (LAUNCH.start, LAUNCH.stop)}
+
+
+@pytest.fixture
+def launched_sp2_cfg2() -> Launched:
+    return LAUNCH.result()
+
+
 @pytest.mark.slow
 @pytest.mark.launcher
-def test_torchrun_sp2_cfg2_draws_the_captions(tmp_path: Path, inline_frames) -> None:
+def test_torchrun_sp2_cfg2_draws_the_captions(launched_sp2_cfg2: Launched, inline_frames) -> None:
     """The report script itself, as a user runs it under a launcher (4 ranks: sp=2 x cfg=2)."""
-    out = tmp_path / "results.json"
-    argv = [str(REPORT), "--model", str(DEMO_MODEL_DIR), "--executor", "external", "--sp-size", "2"]
-    argv += ["--cfg-parallel", "--json", str(out), "--frames", str(tmp_path)]
-    for caption in PARALLEL:
-        argv += ["--caption", caption.text]
-    proc = run_launcher("torchrun", argv, nproc=4, timeout=400)
-    assert proc.returncode == 0, format_output(proc)
-    results = json.loads(out.read_text())
+    launched = launched_sp2_cfg2
+    assert launched.proc.returncode == 0, format_output(launched.proc)
+    results = launched.results
     assert [r["caption"] for r in results] == [c.text for c in PARALLEL]
-    for i, caption in enumerate(PARALLEL):
-        video = np.load(tmp_path / f"{i:03d}.npy")
-        assert max_abs_diff(video, inline_frames[caption.text]) <= 2, caption.text
+    for caption, video in zip(PARALLEL, launched.frames, strict=True):
+        assert video is not None and max_abs_diff(video, inline_frames[caption.text]) <= 2, caption.text
     failures = [f"{r['caption']}: {r['reason']}" for r in results if not r["ok"]]
     assert 1 - len(failures) / len(results) >= PASS_RATE, failures
 
