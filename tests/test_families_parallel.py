@@ -5,18 +5,25 @@ timesteps; an image missing on one node is refused on every rank before any deno
 each rank (the same bytes) gives the same frames.
 
 Two launches serve every check: 2 ranks (sp=2 and cfg=2 engines of every family, all alive in one launch) and 4
-ranks (sp=2 x cfg=2).
+ranks (sp=2 x cfg=2), one background job while the rest of the suite runs (tests/background.py).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
+from background import BackgroundJob, run_program
 from distvideo import VideoGenerator
 from family_checkpoints import family_checkpoint, max_abs_diff, test_image
 
@@ -70,12 +77,11 @@ def _kwargs(request: str, image: Path) -> dict[str, Any]:
     return {k: (str(image) if v == IMAGE else v) for k, v in REQUESTS[request][1].items()}
 
 
-def _launch(tmp: Path, factory, engines: list[tuple], nproc: int) -> dict:
-    image = test_image(factory)
+def _launch(tmp: Path, models: dict[str, Path], image: Path, engines: list[tuple], nproc: int, base) -> dict:
     cases = [
         {
             "name": name,
-            "model": str(family_checkpoint(factory, family)),
+            "model": str(models[family]),
             "sp_size": sp,
             "cfg_parallel": cfg,
             "requests": [{"name": r, "kwargs": _kwargs(r, image)} for r in requests],
@@ -86,19 +92,72 @@ def _launch(tmp: Path, factory, engines: list[tuple], nproc: int) -> dict:
         for name, family, sp, cfg, requests in engines
     ]
     (tmp / "cases.json").write_text(json.dumps(cases))
-    proc = run_launcher("torchrun", [str(SCRIPT), str(tmp / "cases.json"), str(tmp)], nproc=nproc, timeout=600)
+    argv = [str(SCRIPT), str(tmp / "cases.json"), str(tmp)]
+    proc = run_launcher("torchrun", argv, nproc=nproc, timeout=600, base=base)
     assert proc.returncode == 0, format_output(proc)
     return {"dir": tmp, "report": json.loads((tmp / "report.json").read_text())}
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory) -> dict:
-    return _launch(tmp_path_factory.mktemp("families-two"), tmp_path_factory, TWO_RANKS, 2)
+# the session's checkpoints and test image (tests/family_checkpoints.py), built again in a process of their own: the
+# same calls, so the same bytes as the ones the single-rank frames come from
+BUILD = """
+import sys
+from pathlib import Path
+from distvideo.testing.families import build_family_checkpoint, write_test_image
+from family_checkpoints import SEEDS
+out = Path(sys.argv[1])
+write_test_image(out / "image.png", width=40, height=28, seed=0)
+for family in sys.argv[2:]:
+    build_family_checkpoint(family, out / family, scheduler="unipc", seed=SEEDS[family])
+"""
+
+
+def _both_launches(stopping: threading.Event, environ: dict[str, str]) -> dict[str, Any]:
+    """The two launches, in a folder of their own with their own checkpoints and image."""
+    tmp = Path(tempfile.mkdtemp(prefix="distvideo-families-parallel-"))
+    try:
+        families = sorted({family for _, family, *_ in TWO_RANKS + FOUR_RANKS})
+        path = os.pathsep.join(filter(None, [str(REPO / "tests"), environ.get("PYTHONPATH")]))
+        build = run_program(
+            [sys.executable, "-c", BUILD, str(tmp), *families], stopping, 300, env={**environ, "PYTHONPATH": path}
+        )
+        assert build.returncode == 0, build.stderr
+        models, image = {family: tmp / family for family in families}, tmp / "image.png"
+        (tmp / "two").mkdir()
+        (tmp / "four").mkdir()
+        two = _launch(tmp / "two", models, image, TWO_RANKS, 2, environ)
+        return {
+            "tmp": tmp,
+            "two_ranks": two,
+            "four_ranks": _launch(tmp / "four", models, image, FOUR_RANKS, 4, environ),
+        }
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+# two launches (about 21 s) whose outcomes are all the tests check: in the background (background.py)
+LAUNCHES = BackgroundJob("every family under torchrun, 2 and 4 ranks", _both_launches)
+BACKGROUND_JOBS = {"launches": (LAUNCHES.start, LAUNCHES.stop)}
 
 
 @pytest.fixture(scope="module")
-def four_ranks(tmp_path_factory) -> dict:
-    return _launch(tmp_path_factory.mktemp("families-four"), tmp_path_factory, FOUR_RANKS, 4)
+def launches() -> Iterator[dict[str, Any]]:
+    result = LAUNCHES.result()
+    try:
+        yield result
+    finally:
+        shutil.rmtree(result["tmp"], ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(launches) -> dict:
+    return launches["two_ranks"]
+
+
+@pytest.fixture(scope="module")
+def four_ranks(launches) -> dict:
+    return launches["four_ranks"]
 
 
 @pytest.fixture(scope="module")

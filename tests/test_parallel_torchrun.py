@@ -2,19 +2,27 @@
 
 Two launches serve every check: 2 ranks (sp=2 and cfg=2 engines on the embedded model and the 4-layer test
 checkpoint, all alive in one launch) and 4 ranks (sp=2 x cfg=2). Each rank script writes rank 0's frames and a
-report of the collectives; this process compares them with inline single-rank runs of the same requests.
+report of the collectives; this process compares them with inline single-rank runs of the same requests. The launches
+run as one background job while the rest of the suite runs (tests/background.py).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
+from background import BackgroundJob, run_program
 from distvideo import VideoGenerator
+from distvideo.models.embedded import tiny_model_path
 
 from conftest import REPO, max_abs_diff
 from launchers import format_output, run_launcher
@@ -49,7 +57,7 @@ DECODE_CHECKS = [[1, 16, 2, 8, 6], [1, 16, 2, 7, 5]]
 TILING_CHECKS = [[1, 16, 2, 8, 8]]
 
 
-def _launch(tmp: Path, engines: list[tuple], nproc: int, models: dict[str, Path], decode_checks=()) -> dict:
+def _launch(tmp: Path, engines: list[tuple], nproc: int, models: dict[str, Path], decode_checks=(), base=None) -> dict:
     cases = [
         {
             "name": name,
@@ -63,7 +71,8 @@ def _launch(tmp: Path, engines: list[tuple], nproc: int, models: dict[str, Path]
         for i, (name, model, sp, cfg, requests) in enumerate(engines)
     ]
     (tmp / "cases.json").write_text(json.dumps(cases))
-    proc = run_launcher("torchrun", [str(SCRIPT), str(tmp / "cases.json"), str(tmp)], nproc=nproc, timeout=400)
+    argv = [str(SCRIPT), str(tmp / "cases.json"), str(tmp)]
+    proc = run_launcher("torchrun", argv, nproc=nproc, timeout=400, base=base)
     assert proc.returncode == 0, format_output(proc)
     return {"dir": tmp, "report": json.loads((tmp / "report.json").read_text())}
 
@@ -73,14 +82,46 @@ def models(tiny_model, test_checkpoint) -> dict[str, Path]:
     return {"embedded": tiny_model, "ckpt": test_checkpoint}
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory, models) -> dict:
-    return _launch(tmp_path_factory.mktemp("two"), TWO_RANKS, 2, models, DECODE_CHECKS)
+def _both_launches(stopping: threading.Event, environ: dict[str, str]) -> dict[str, Any]:
+    """The two launches, in a folder of their own with their own copy of the test checkpoint (built in a process of
+    its own: the same bytes as the session's, which the single-rank frames come from)."""
+    tmp = Path(tempfile.mkdtemp(prefix="distvideo-parallel-torchrun-"))
+    try:
+        build = run_program([sys.executable, "-c", BUILD_CHECKPOINT, str(tmp / "ckpt")], stopping, 300, env=environ)
+        assert build.returncode == 0, build.stderr
+        models = {"embedded": tiny_model_path(), "ckpt": tmp / "ckpt"}
+        (tmp / "two").mkdir()
+        (tmp / "four").mkdir()
+        two = _launch(tmp / "two", TWO_RANKS, 2, models, DECODE_CHECKS, base=environ)
+        return {"tmp": tmp, "two_ranks": two, "four_ranks": _launch(tmp / "four", FOUR_RANKS, 4, models, base=environ)}
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+BUILD_CHECKPOINT = "import sys; from distvideo.testing.checkpoints import build_test_checkpoint as b; b(sys.argv[1])"
+# two launches (about 22 s) whose outcomes are all the tests check: in the background (background.py)
+LAUNCHES = BackgroundJob("parallel layouts under torchrun, 2 and 4 ranks", _both_launches)
+BACKGROUND_JOBS = {"launches": (LAUNCHES.start, LAUNCHES.stop)}
 
 
 @pytest.fixture(scope="module")
-def four_ranks(tmp_path_factory, models) -> dict:
-    return _launch(tmp_path_factory.mktemp("four"), FOUR_RANKS, 4, models)
+def launches() -> Iterator[dict[str, Any]]:
+    result = LAUNCHES.result()
+    try:
+        yield result
+    finally:
+        shutil.rmtree(result["tmp"], ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(launches) -> dict:
+    return launches["two_ranks"]
+
+
+@pytest.fixture(scope="module")
+def four_ranks(launches) -> dict:
+    return launches["four_ranks"]
 
 
 @pytest.fixture(scope="module")
