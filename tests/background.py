@@ -4,8 +4,8 @@ single-threaded phases of other tests leave idle, does their work.
 
 A module names them in BACKGROUND_JOBS, fixture name -> (start, stop) (conftest.py calls `start` when collection ends
 for a collected test that uses the fixture, and `stop` at the session's end). The jobs run one after another, in the
-order they were started, in one daemon thread at nice 19: never two at once, and only on what the tests in the
-foreground leave idle (a generation in the foreground runs as fast as on an idle machine). The
+order they were started, in one daemon thread, and every program they start runs at nice 19: never two at once, and
+only on what the tests in the foreground leave idle. The
 fixture calls `result()`: a job not yet begun is run there and then (so a test that comes first, or runs on its own,
 needs nothing else); one under way is waited for. A job only computes: it returns what the test checks, and the test
 asserts and prints its figures itself (output of the thread would land in whichever test is running). A job must not
@@ -32,6 +32,7 @@ T = TypeVar("T")
 _lock = threading.Lock()
 _queue: queue.SimpleQueue[BackgroundJob] = queue.SimpleQueue()
 _worker: list[threading.Thread] = []
+_running = threading.Event()  # a job runs in the worker thread
 
 
 class BackgroundJob(Generic[T]):
@@ -56,6 +57,7 @@ class BackgroundJob(Generic[T]):
             if not _worker:
                 _worker.append(threading.Thread(target=_run_queue, name="background-jobs", daemon=True))
                 _worker[0].start()
+                threading.Thread(target=_renice_sessions, name="background-sessions", daemon=True).start()
         _queue.put(self)
 
     def stop(self) -> None:
@@ -93,6 +95,9 @@ class BackgroundJob(Generic[T]):
 
     def _run(self) -> None:
         began = time.monotonic()
+        in_worker = in_background()
+        if in_worker:
+            _running.set()
         try:
             environ = self._environ if self._environ is not None else dict(os.environ)
             self._value = self._work(self._stopping, environ)
@@ -102,19 +107,64 @@ class BackgroundJob(Generic[T]):
             self.seconds = time.monotonic() - began
             with _lock:
                 self._state = "done"
+            if in_worker:
+                _running.clear()
             self._done.set()
 
 
 def _run_queue() -> None:
-    # nice 19 for this thread and so for every process it starts (Linux: a thread's nice value is its own, and a child
-    # inherits its parent thread's): a job takes only what the test in the foreground leaves idle. At nice 0 it took a
-    # core from in-process generations, whose two intra-op threads then wait for each other: 0.3 s a generation became
-    # 1 to 2 s (the demo model's 24 captions, 50 s instead of 8).
-    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     while True:
         job = _queue.get()
         if job._claim_queued():
             job._run()
+
+
+# Every program a job starts runs at nice 19 (`nice_prefix()`), and so do its children: a job takes only what the test
+# in the foreground leaves idle. At nice 0 it took a core from in-process generations, whose two intra-op threads then
+# wait for each other: 0.3 s a generation became 1 to 2 s (the demo model's 24 captions, 50 s instead of 8). The
+# threads of this process stay at nice 0: a niced thread that wants the GIL makes the thread holding it wait until the
+# niced one has been scheduled, which a busy machine delays by seconds (seen: a 0.3 s generation took 2 to 14 s).
+BACKGROUND_NICE = 19
+
+
+def in_background() -> bool:
+    """Whether the caller runs in the background jobs' thread (the launchers' helpers ask, to start niced programs)."""
+    return threading.current_thread().name == "background-jobs"
+
+
+def nice_prefix() -> list[str]:
+    """What to put before a command the caller starts: `nice -n 19` in the background jobs' thread, else nothing."""
+    return ["nice", "-n", str(BACKGROUND_NICE)] if in_background() else []
+
+
+def _autogroup(pid: int | str) -> tuple[str, int] | None:
+    """(autogroup, its nice value) of a process, None where the kernel has no autogroups or the process is gone."""
+    try:
+        with open(f"/proc/{pid}/autogroup") as f:
+            group, _, nice = f.read().split()  # "/autogroup-2319 nice 0"
+        return group, int(nice)
+    except (OSError, ValueError):
+        return None
+
+
+def _renice_sessions() -> None:
+    """With autogroups (Linux's default on desktops and many VMs), the scheduler first shares the cores between
+    sessions, and a nice value only counts inside its own session: the programs a job starts in sessions of their own
+    (a launcher, torchrun's ranks, Ray's processes) would take a full share beside the foreground's. So every process
+    of this thread's nice value in another session than this process's gets its session's nice value set to the same,
+    as soon as it is seen (polled 5 times a second, only while a job runs)."""
+    own = _autogroup("self")
+    if own is None:
+        return
+    while True:
+        if _running.wait():
+            for process in psutil.process_iter(["nice"]):
+                group = _autogroup(process.pid) if process.info["nice"] == BACKGROUND_NICE else None
+                if group is not None and group[0] != own[0] and group[1] != BACKGROUND_NICE:
+                    with contextlib.suppress(OSError):
+                        with open(f"/proc/{process.pid}/autogroup", "w") as f:
+                            f.write(str(BACKGROUND_NICE))
+        time.sleep(0.2)
 
 
 def _kill_background_processes() -> None:
@@ -131,7 +181,7 @@ def run_program(
     """subprocess.run with its output captured, also ended (killed) when the session stops the job. A program past its
     timeout is killed too, with every process of its session, and raises subprocess.TimeoutExpired, as subprocess.run does."""
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, "start_new_session": True}
-    with subprocess.Popen(cmd, **pipes, **popen) as proc:  # type: ignore[call-overload]
+    with subprocess.Popen([*nice_prefix(), *cmd], **pipes, **popen) as proc:  # type: ignore[call-overload]
         # stdout and stderr each read to the end by its own thread, so neither pipe fills up and blocks the program
         results: dict[int, str] = {}
         readers = [

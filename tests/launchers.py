@@ -41,6 +41,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from background import nice_prefix
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 START_SLURM_SCRIPT = REPO_ROOT / "scripts" / "slurm" / "start_local_slurm.sh"
 STOP_SLURM_SCRIPT = REPO_ROOT / "scripts" / "slurm" / "stop_local_slurm.sh"
@@ -346,7 +348,7 @@ def run_command(
     cmd = [str(c) for c in cmd]
     with tempfile.TemporaryFile() as out_f, tempfile.TemporaryFile() as err_f:
         proc = subprocess.Popen(
-            cmd,
+            [*nice_prefix(), *cmd],  # a background job's launch: at nice 19 (background.py)
             stdin=subprocess.DEVNULL,
             stdout=out_f,
             stderr=err_f,

@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import psutil
 import pytest
 
+from background import nice_prefix
+
 
 def gone(pid: int) -> bool:
     """The process has exited (a zombie not yet reaped by its parent counts as gone)."""
@@ -50,7 +52,7 @@ class Running:
         separate_stderr: bool = False,
     ):
         self.proc = subprocess.Popen(
-            [str(c) for c in cmd],
+            [*nice_prefix(), *(str(c) for c in cmd)],  # in a background job: at nice 19 (background.py)
             env=dict(env) if env is not None else None,
             cwd=cwd,
             stdin=subprocess.DEVNULL,
