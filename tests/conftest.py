@@ -15,6 +15,11 @@ from hypothesis import settings
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("DISTVIDEO_NO_PROGRESS", "1")
 
+# torch.compile's Inductor compiles its kernels in a pool of worker processes (as many as cores), each importing torch
+# first: on a 2-core machine that costs more than it saves (tests/test_compile.py and test_hunyuan_options.py: 29 s
+# and 39 CPU-seconds with the pool, 14 s and 16 without). The kernels are the same either way.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
 REPO = Path(__file__).resolve().parent.parent
 
 # The suite's default model is the tiny random-weight one (fast; the recorded frames and the random LoRA files are
