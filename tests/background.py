@@ -151,15 +151,18 @@ def _renice_sessions() -> None:
     """With autogroups (Linux's default on desktops and many VMs), the scheduler first shares the cores between
     sessions, and a nice value only counts inside its own session: the programs a job starts in sessions of their own
     (a launcher, torchrun's ranks, Ray's processes) would take a full share beside the foreground's. So every process
-    of this thread's nice value in another session than this process's gets its session's nice value set to the same,
-    as soon as it is seen (polled 5 times a second, only while a job runs)."""
+    this one started (directly or not) that runs at BACKGROUND_NICE in another session than this process's gets its
+    session's nice value set to the same, as soon as it is seen (polled 5 times a second, only while a job runs)."""
     own = _autogroup("self")
     if own is None:
         return
     while True:
         if _running.wait():
-            for process in psutil.process_iter(["nice"]):
-                group = _autogroup(process.pid) if process.info["nice"] == BACKGROUND_NICE else None
+            for process in psutil.Process().children(recursive=True):  # ours only, never another program's
+                niced = False
+                with contextlib.suppress(psutil.Error):
+                    niced = process.nice() == BACKGROUND_NICE
+                group = _autogroup(process.pid) if niced else None
                 if group is not None and group[0] != own[0] and group[1] != BACKGROUND_NICE:
                     with contextlib.suppress(OSError):
                         with open(f"/proc/{process.pid}/autogroup", "w") as f:
