@@ -22,8 +22,8 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable
-from typing import Generic, TypeVar
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Generic, TypeVar
 
 import psutil
 
@@ -33,6 +33,8 @@ _lock = threading.Lock()
 _queue: queue.SimpleQueue[BackgroundJob] = queue.SimpleQueue()
 _worker: list[threading.Thread] = []
 _running = threading.Event()  # a job runs in the worker thread
+THREAD_NAME = "background-jobs"  # the worker's name; every thread of the background's is named "background-..."
+OUTPUT_THREAD_NAME = "background-output"  # a thread reading a job's program's output
 
 
 class BackgroundJob(Generic[T]):
@@ -55,7 +57,7 @@ class BackgroundJob(Generic[T]):
             self._state = "queued"
             self._environ = dict(os.environ)  # as it is before any test runs: a test's monkeypatch must not leak in
             if not _worker:
-                _worker.append(threading.Thread(target=_run_queue, name="background-jobs", daemon=True))
+                _worker.append(threading.Thread(target=_run_queue, name=THREAD_NAME, daemon=True))
                 _worker[0].start()
                 threading.Thread(target=_renice_sessions, name="background-sessions", daemon=True).start()
         _queue.put(self)
@@ -96,8 +98,6 @@ class BackgroundJob(Generic[T]):
     def _run(self) -> None:
         began = time.monotonic()
         in_worker = in_background()
-        if in_worker:
-            _running.set()
         try:
             environ = self._environ if self._environ is not None else dict(os.environ)
             self._value = self._work(self._stopping, environ)
@@ -107,19 +107,48 @@ class BackgroundJob(Generic[T]):
             self.seconds = time.monotonic() - began
             with _lock:
                 self._state = "done"
-            if in_worker:
-                _running.clear()
             self._done.set()
+            if in_worker:
+                with _pause:
+                    _running.clear()
+                    _pause.notify_all()
 
 
 def _run_queue() -> None:
     while True:
         job = _queue.get()
-        if job._claim_queued():
+        with _pause:
+            while _pauses:
+                _pause.wait()
+            claimed = job._claim_queued()
+            if claimed:
+                _running.set()
+        if claimed:
             job._run()
 
 
-# Every program a job starts runs at nice 19 (`nice_prefix()`), and so do its children: a job takes only what the test
+_pause = threading.Condition()
+_pauses = 0
+
+
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """No background job runs inside: the one running is waited for, and none begins until the block ends (for a test
+    that counts this process's threads and file descriptors, which a job's readers and pipes would change)."""
+    global _pauses
+    with _pause:
+        _pauses += 1
+        while _running.is_set():
+            _pause.wait()
+    try:
+        yield
+    finally:
+        with _pause:
+            _pauses -= 1
+            _pause.notify_all()
+
+
+# Every program a job starts runs at nice 19 (`popen`), and so do its children: a job takes only what the test
 # in the foreground leaves idle. At nice 0 it took a core from in-process generations, whose two intra-op threads then
 # wait for each other: 0.3 s a generation became 1 to 2 s (the demo model's 24 captions, 50 s instead of 8). The
 # threads of this process stay at nice 0: a niced thread that wants the GIL makes the thread holding it wait until the
@@ -129,12 +158,44 @@ BACKGROUND_NICE = 19
 
 def in_background() -> bool:
     """Whether the caller runs in the background jobs' thread (the launchers' helpers ask, to start niced programs)."""
-    return threading.current_thread().name == "background-jobs"
+    return threading.current_thread().name == THREAD_NAME
 
 
-def nice_prefix() -> list[str]:
-    """What to put before a command the caller starts: `nice -n 19` in the background jobs' thread, else nothing."""
-    return ["nice", "-n", str(BACKGROUND_NICE)] if in_background() else []
+_spawning = threading.Lock()  # held while the worker thread starts a program, until its pid is recorded
+_started: set[int] = set()  # the programs the worker thread started
+
+
+def popen(cmd: Sequence[str], **kwargs: Any) -> subprocess.Popen:
+    """subprocess.Popen; in the background jobs' thread the program runs under `nice -n 19` (the same pid: nice execs
+    it), and its pid is recorded for `foreground_children`."""
+    if not in_background():
+        return subprocess.Popen(list(cmd), **kwargs)
+    with _spawning:
+        proc = subprocess.Popen(["nice", "-n", str(BACKGROUND_NICE), *cmd], **kwargs)
+        _started.add(proc.pid)
+    return proc
+
+
+def foreground_children() -> list[psutil.Process]:
+    """This process's descendants but those of the background jobs (a test counting the processes it leaves behind
+    must not count a job's, which come and go meanwhile)."""
+    with _spawning:  # never while a job's program is started but not yet recorded
+        children = psutil.Process().children(recursive=True)
+        started = set(_started)
+    by_pid = {child.pid: child for child in children}
+
+    def of_a_job(child: psutil.Process) -> bool:
+        pid = child.pid
+        while pid in by_pid:
+            if pid in started:
+                return True
+            try:
+                pid = by_pid[pid].ppid()
+            except psutil.Error:
+                return False
+        return False
+
+    return [child for child in children if not of_a_job(child)]
 
 
 def _autogroup(pid: int | str) -> tuple[str, int] | None:
@@ -179,16 +240,18 @@ def _kill_background_processes() -> None:
 
 
 def run_program(
-    cmd: list[str], stopping: threading.Event, timeout: float, **popen: object
+    cmd: list[str], stopping: threading.Event, timeout: float, **kwargs: Any
 ) -> subprocess.CompletedProcess[str]:
     """subprocess.run with its output captured, also ended (killed) when the session stops the job. A program past its
     timeout is killed too, with every process of its session, and raises subprocess.TimeoutExpired, as subprocess.run does."""
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, "start_new_session": True}
-    with subprocess.Popen([*nice_prefix(), *cmd], **pipes, **popen) as proc:  # type: ignore[call-overload]
+    with popen(cmd, **pipes, **kwargs) as proc:
         # stdout and stderr each read to the end by its own thread, so neither pipe fills up and blocks the program
         results: dict[int, str] = {}
         readers = [
-            threading.Thread(target=lambda i=i, s=s: results.__setitem__(i, s.read()), daemon=True)
+            threading.Thread(
+                target=lambda i=i, s=s: results.__setitem__(i, s.read()), name=OUTPUT_THREAD_NAME, daemon=True
+            )
             for i, s in enumerate((proc.stdout, proc.stderr))
         ]
         for reader in readers:

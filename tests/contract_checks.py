@@ -65,9 +65,12 @@ def observe(gen, threads_before: set[int]) -> tuple[dict[str, Any], np.ndarray |
     except RuntimeError as exc:
         obs["after_shutdown"] = str(exc)
     # what shutdown must leave behind in this process: no thread of the executor's, no process group (tqdm's monitor
-    # thread, started by the first progress bar, belongs to tqdm and lives as long as the process)
+    # thread, started by the first progress bar, belongs to tqdm and lives as long as the process; the suite's
+    # background jobs, tests/background.py, start and end threads of their own meanwhile)
     obs["threads_left"] = sorted(
-        t.name for t in threading.enumerate() if t.ident not in threads_before and t.name != "tqdm_monitor"
+        t.name
+        for t in threading.enumerate()
+        if t.ident not in threads_before and t.name != "tqdm_monitor" and not t.name.startswith("background-")
     )
     obs["process_group_left"] = dist.is_available() and dist.is_initialized()
     return obs, frames

@@ -41,7 +41,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from background import nice_prefix
+from background import popen
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 START_SLURM_SCRIPT = REPO_ROOT / "scripts" / "slurm" / "start_local_slurm.sh"
@@ -347,8 +347,8 @@ def run_command(
     """
     cmd = [str(c) for c in cmd]
     with tempfile.TemporaryFile() as out_f, tempfile.TemporaryFile() as err_f:
-        proc = subprocess.Popen(
-            [*nice_prefix(), *cmd],  # a background job's launch: at nice 19 (background.py)
+        proc = popen(  # in a background job: at nice 19 (background.py)
+            cmd,
             stdin=subprocess.DEVNULL,
             stdout=out_f,
             stderr=err_f,

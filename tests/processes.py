@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import psutil
 import pytest
 
-from background import nice_prefix
+from background import OUTPUT_THREAD_NAME, in_background, popen
 
 
 def gone(pid: int) -> bool:
@@ -51,8 +51,8 @@ class Running:
         *,
         separate_stderr: bool = False,
     ):
-        self.proc = subprocess.Popen(
-            [*nice_prefix(), *(str(c) for c in cmd)],  # in a background job: at nice 19 (background.py)
+        self.proc = popen(  # in a background job: at nice 19 (background.py)
+            [str(c) for c in cmd],
             env=dict(env) if env is not None else None,
             cwd=cwd,
             stdin=subprocess.DEVNULL,
@@ -64,11 +64,12 @@ class Running:
         self.lines: list[str] = []
         self.stderr: list[str] = []
         self._queue: queue.Queue[str] = queue.Queue()
-        self.reader = threading.Thread(target=self._read, daemon=True)
+        name = OUTPUT_THREAD_NAME if in_background() else None  # a test counting its threads leaves these out
+        self.reader = threading.Thread(target=self._read, name=name, daemon=True)
         self.reader.start()
         self._stderr_reader: threading.Thread | None = None
         if separate_stderr:
-            self._stderr_reader = threading.Thread(target=self._read_stderr, daemon=True)
+            self._stderr_reader = threading.Thread(target=self._read_stderr, name=name, daemon=True)
             self._stderr_reader.start()
 
     def _read(self) -> None:

@@ -6,10 +6,11 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
-from background import BackgroundJob, run_program
+from background import BackgroundJob, paused, run_program
 
 NICE = [sys.executable, "-c", "import os; print(os.nice(0))"]
 
@@ -43,3 +44,13 @@ def test_a_job_stopped_before_it_began_says_so():
     job.stop()  # at the session's end, a job whose test never came
     with pytest.raises(RuntimeError, match="'never' was stopped before it began"):
         job.result()
+
+
+def test_no_job_begins_while_paused():
+    job = BackgroundJob("after the pause", _nice)
+    with paused():
+        job.start()
+        time.sleep(0.5)  # the worker would have begun it by now (a job of its own, nothing else queued before it in
+        # this file's order), but may not while paused
+        assert job._state == "queued"
+    job.result()

@@ -23,12 +23,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from background import BackgroundJob
 from distvideo import VideoGenerator
 from distvideo.models.embedded import DEMO_MODEL_DIR, embedded_model_path
 from distvideo.testing.shapes import Caption, all_captions
 from distvideo.testing.video_check import check_video
 
+from background import BackgroundJob
 from conftest import REPO, max_abs_diff
 from launchers import format_output, run_launcher
 

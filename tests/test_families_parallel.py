@@ -23,10 +23,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from background import BackgroundJob, run_program
 from distvideo import VideoGenerator
 from family_checkpoints import family_checkpoint, max_abs_diff, test_image
 
+from background import BackgroundJob, run_program
 from conftest import REPO
 from launchers import format_output, run_launcher
 

@@ -27,7 +27,6 @@ import psutil
 import pytest
 
 from background import BackgroundJob
-
 from conftest import REPO
 from launchers import (
     build_launch,

@@ -16,6 +16,8 @@ import pytest
 
 from distvideo.cli.main import main
 
+from background import foreground_children
+
 SMALL = ["--num-frames", "5", "--height", "32", "--width", "32", "--steps", "1"]
 
 
@@ -53,13 +55,11 @@ def test_bad_config_file_exits_2_naming_file_and_key(name, content, expected, tm
 
 # --- impossible layouts ---------------------------------------------------------------------------------------------
 def test_impossible_layout_on_mp_exits_2_before_any_process(tmp_path, capsys, no_weights_loaded):
-    import psutil
-
-    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    before = {p.pid for p in foreground_children()}  # not a background job's (tests/background.py)
     assert generate(["--executor", "mp", "--num-gpus", "2", "--sp-size", "3"], tmp_path) == 2
     err = capsys.readouterr().err
     assert "sp(3)" in err and "world_size(2)" in err and "sp_size=" in err, err  # the arithmetic and what would work
-    assert {p.pid for p in psutil.Process().children(recursive=True)} - before == set()
+    assert {p.pid for p in foreground_children()} - before == set()
 
 
 def test_impossible_layout_under_a_launcher_exits_2_before_the_rendezvous(

@@ -22,7 +22,6 @@ from safetensors.torch import load_file, save_file
 
 import distvideo.media
 import distvideo.worker
-from background import BackgroundJob, run_program
 from distvideo import ConfigError, LoraError, VideoGenerator, VideoWriteError
 from distvideo.bench import write_json
 from distvideo.cli.main import main
@@ -34,6 +33,8 @@ from distvideo.paths import resolve_output_path, sanitize_prompt
 from distvideo.request import GenerationRequest
 from distvideo.testing.checkpoints import build_test_checkpoint
 from distvideo.testing.lora_files import build_random_lora, random_lora_layers, save_lora_file
+
+from background import BackgroundJob, run_program
 
 SMALL = dict(num_frames=5, height=32, width=48, num_inference_steps=1)
 SMALL_FLAGS = ["--num-frames", "5", "--height", "32", "--width", "48", "--steps", "1"]

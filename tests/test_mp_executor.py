@@ -30,6 +30,7 @@ from distvideo.models.embedded import tiny_model_path
 from distvideo.request import GenerationRequest
 from distvideo.testing.checkpoints import build_embedded_model
 
+from background import foreground_children
 from processes import Running, wait_gone
 
 pytestmark = pytest.mark.slow
@@ -130,7 +131,7 @@ def gen(shared: SharedGenerator) -> VideoGenerator:
 
 def spawned_children() -> set[int]:
     out = set()
-    for child in psutil.Process().children(recursive=True):
+    for child in foreground_children():  # not a background job's (tests/background.py)
         try:
             if "spawn_main" in " ".join(child.cmdline()) and child.status() != psutil.STATUS_ZOMBIE:
                 out.add(child.pid)

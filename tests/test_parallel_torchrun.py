@@ -20,10 +20,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from background import BackgroundJob, run_program
 from distvideo import VideoGenerator
 from distvideo.models.embedded import tiny_model_path
 
+from background import BackgroundJob, run_program
 from conftest import REPO, max_abs_diff
 from launchers import format_output, run_launcher
 

@@ -25,11 +25,11 @@ import numpy as np
 import pytest
 import ray  # noqa: F401 (make setup installs distvideo[ray]: a missing Ray fails here)
 
-from background import BackgroundJob, run_program
 from distvideo import VideoGenerator
 from distvideo.errors import ConfigError, WorkerDiedError
 from distvideo.executors.ray_placement import rank_order, rendezvous_kind
 
+from background import BackgroundJob, run_program
 from conftest import REPO, max_abs_diff
 from contract_checks import PROMPT, REQUEST
 from launchers import console_script, free_port

@@ -21,7 +21,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from background import BackgroundJob
 from distvideo import VideoGenerator
 from distvideo.models import compat
 from distvideo.models.embedded import tiny_model_path
@@ -35,6 +34,7 @@ from test_hunyuan import hunyuan_checkpoint
 from test_hunyuan_i2v import REQUEST as HUNYUAN_I2V_REQUEST
 from test_hunyuan_i2v import hunyuan_i2v_checkpoint
 
+from background import BackgroundJob
 from conftest import REPO, max_abs_diff
 from launchers import format_output, run_launcher
 

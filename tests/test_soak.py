@@ -20,6 +20,8 @@ import torch
 
 from distvideo import VideoGenerator
 
+from background import paused
+
 pytestmark = pytest.mark.slow
 
 GENERATIONS = 200
@@ -40,13 +42,15 @@ def usage() -> dict[str, int]:
 
 
 def soak(n: int, step: Callable[[int], None]) -> tuple[dict[str, int], dict[str, int]]:
-    """Run step(0..n-1); usage after step BASELINE_AFTER-1 and after the last."""
+    """Run step(0..n-1); usage after step BASELINE_AFTER-1 and after the last. No background job runs meanwhile
+    (tests/background.py): its threads and pipes would count as this process's."""
     baseline: dict[str, int] = {}
-    for i in range(n):
-        step(i)
-        if i == BASELINE_AFTER - 1:
-            baseline = usage()
-    return baseline, usage()
+    with paused():
+        for i in range(n):
+            step(i)
+            if i == BASELINE_AFTER - 1:
+                baseline = usage()
+        return baseline, usage()
 
 
 def check_level(what: str, baseline: dict[str, int], end: dict[str, int]) -> None:
