@@ -18,11 +18,14 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 import psutil
@@ -112,6 +115,26 @@ class BackgroundJob(Generic[T]):
                 with _pause:
                     _running.clear()
                     _pause.notify_all()
+
+
+class FolderJob(BackgroundJob[tuple[Path, T]]):
+    """A job that works in a temporary folder of its own: ``work(folder, environ)``; its value is (folder, what work
+    returned). The folder is removed when the session stops the job (a fixture reads the files in it until then)."""
+
+    def __init__(self, name: str, prefix: str, work: Callable[[Path, dict[str, str]], T]) -> None:
+        self._folders: list[Path] = []
+
+        def in_folder(stopping: threading.Event, environ: dict[str, str]) -> tuple[Path, T]:
+            folder = Path(tempfile.mkdtemp(prefix=f"distvideo-{prefix}-"))
+            self._folders.append(folder)
+            return folder, work(folder, environ)
+
+        super().__init__(name, in_folder)
+
+    def stop(self) -> None:
+        super().stop()
+        for folder in self._folders:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _run_queue() -> None:

@@ -116,8 +116,17 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
 # A test module may name jobs that mostly wait (processes waiting out a timeout): BACKGROUND_JOBS, fixture name ->
 # (start, stop). When a collected test uses that fixture, `start` runs as soon as collection ends, so the waiting
 # overlaps the rest of the suite instead of holding it up; the fixture then collects the outcomes. `stop` runs at the
-# session's end whatever happened (the fixture stops them itself when it is done).
+# session's end whatever happened (the fixture stops them itself when it is done). A name "fixture[id]" starts its job
+# only for a collected test using that fixture whose parameter id has that part (a launcher's job: "launched[mpirun]").
 _background_stops: list = []
+
+
+def _uses_job(item: pytest.Item, key: str) -> bool:
+    fixture, _, part = key.partition("[")
+    if fixture not in getattr(item, "fixturenames", ()):
+        return False
+    callspec = getattr(item, "callspec", None)
+    return not part or (callspec is not None and part.rstrip("]") in callspec.id.split("-"))
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -127,7 +136,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     for item in session.items:
         jobs = getattr(getattr(item, "module", None), "BACKGROUND_JOBS", {})
         for fixture, (start, stop) in jobs.items():
-            if fixture in getattr(item, "fixturenames", ()) and start not in started:
+            if start not in started and _uses_job(item, fixture):
                 started.add(start)
                 _background_stops.append(stop)
                 start()

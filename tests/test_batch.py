@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -26,6 +27,7 @@ from distvideo.executors import mp, resolve_engine
 from distvideo.parallel.layout import resolve_layout
 from distvideo.request import GenerationRequest
 
+from background import FolderJob
 from launchers import format_output, local_slurm, run_launcher  # noqa: F401
 
 SMALL = ["--num-frames", "5", "--height", "32", "--width", "48", "--steps", "2", "--no-progress"]
@@ -298,14 +300,39 @@ LAUNCH_PARAMS = [
 ]
 
 
+def _launch_batch(launcher: str, folder: Path, base: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    prompts, out = write_prompts(folder), folder / "out"
+    argv = ["-m", "distvideo", "generate", "--prompts", str(prompts), "--output", str(out), "--replicas", "2", *SMALL]
+    return run_launcher(launcher, argv, nproc=2, timeout=300, base=base)
+
+
+# torchrun's and mpirun's launches, whose outcome is all the test checks: in the background (background.py); srun's
+# in the test (a job never uses the session's Slurm)
+LAUNCHED = {
+    launcher: FolderJob(
+        f"batch replicas under {launcher}",
+        f"batch-{launcher}",
+        functools.partial(_launch_batch, launcher),
+    )
+    for launcher in ("torchrun", "mpirun")
+}
+BACKGROUND_JOBS = {f"launched_batch[{launcher}]": (job.start, job.stop) for launcher, job in LAUNCHED.items()}
+
+
+@pytest.fixture
+def launched_batch(launcher: str, tmp_path: Path) -> tuple[Path, subprocess.CompletedProcess]:
+    if launcher in LAUNCHED:
+        return LAUNCHED[launcher].result()
+    return tmp_path, _launch_batch(launcher, tmp_path)
+
+
 @pytest.mark.launcher
 @pytest.mark.parametrize("launcher", LAUNCH_PARAMS)
-def test_launched_replicas_write_the_same_files_and_one_manifest(launcher, tmp_path, inline_videos):
+def test_launched_replicas_write_the_same_files_and_one_manifest(launcher, launched_batch, inline_videos):
     """Each replica's output rank writes its videos; world rank 0 writes every manifest line (the other replica's
     arrive through the rendezvous store)."""
-    prompts, out = write_prompts(tmp_path), tmp_path / "out"
-    argv = ["-m", "distvideo", "generate", "--prompts", str(prompts), "--output", str(out), "--replicas", "2", *SMALL]
-    proc = run_launcher(launcher, argv, nproc=2, timeout=300)
+    folder, proc = launched_batch
+    out = folder / "out"
     assert proc.returncode == 0, format_output(proc)
     assert videos(out) == inline_videos
     records = manifest(out)

@@ -8,8 +8,12 @@ steps at 48 x 48 (27 tokens: sp=2 pads to 28, so the metric's trimming of the pa
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+import subprocess
+import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +26,7 @@ from distvideo.errors import ConfigError
 from distvideo.models.cache_ratios import RATIOS_FILE
 from distvideo.models.registry import probe_model
 
+from background import FolderJob, run_program
 from conftest import REPO, max_abs_diff
 from launchers import format_output, run_launcher
 
@@ -85,37 +90,66 @@ def test_mp_skips_the_same_steps(model: Path, inline: dict[str, Any], num_gpus: 
             assert max_abs_diff(result.frames, inline[name].frames) <= 2
 
 
-@pytest.mark.launcher
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    ("nproc", "engines"),
-    # ring: sp 2 as ring attention, so the first-block metric is reduced over a ring group (issue 33)
-    [
-        (2, [("cfg2", 1, True, None), ("sp2", 2, False, None)]),
-        (4, [("sp2cfg2", 2, True, None), ("ring2cfg2", 2, True, 2)]),
-    ],
-    ids=["2ranks", "4ranks"],
+# ring: sp 2 as ring attention, so the first-block metric is reduced over a ring group (issue 33)
+TORCHRUN_CASES = {
+    "2ranks": (2, [("cfg2", 1, True, None), ("sp2", 2, False, None)]),
+    "4ranks": (4, [("sp2cfg2", 2, True, None), ("ring2cfg2", 2, True, 2)]),
+}
+BUILD_AND_CALIBRATE = (
+    "import sys; from distvideo.testing.checkpoints import build_test_checkpoint as b; "
+    "from distvideo.cli.main import main; p = b(sys.argv[1]); "
+    f"sys.exit(main(['calibrate', '--model', str(p), '--steps', '{STEPS}', '--device', 'cpu']))"
 )
-def test_torchrun_every_rank_skips_the_same_steps(
-    tmp_path: Path, model: Path, inline: dict[str, Any], nproc: int, engines: list[tuple[str, int, bool, int | None]]
-) -> None:
+
+
+def _launch_cases(case: str, folder: Path, environ: dict[str, str]) -> subprocess.CompletedProcess:
+    """The torchrun launch of one case, on a calibrated checkpoint of its own (built in a process of its own: the same
+    bytes and ratios as the module's)."""
+    model = folder / "tiny-wan-4l"
+    build = run_program([sys.executable, "-c", BUILD_AND_CALIBRATE, str(model)], threading.Event(), 300, env=environ)
+    assert build.returncode == 0, build.stderr
+    nproc, engines = TORCHRUN_CASES[case]
     cases = {
         "model": str(model),
         "engines": [{"name": n, "sp_size": sp, "cfg_parallel": cfg, "ring_size": ring} for n, sp, cfg, ring in engines],
         "requests": REQUESTS,
     }
-    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    (folder / "cases.json").write_text(json.dumps(cases))
     script = REPO / "tests" / "parallel_scripts" / "cache_cases.py"
-    proc = run_launcher(
-        "torchrun", [str(script), str(tmp_path / "cases.json"), str(tmp_path)], nproc=nproc, timeout=300
-    )
+    argv = [str(script), str(folder / "cases.json"), str(folder)]
+    return run_launcher("torchrun", argv, nproc=nproc, timeout=300, base=environ)
+
+
+# the launches, whose outcome is all the test checks: in the background (background.py)
+LAUNCHES = {
+    case: FolderJob(f"step caching under torchrun, {case}", f"cache-{case}", functools.partial(_launch_cases, case))
+    for case in TORCHRUN_CASES
+}
+BACKGROUND_JOBS = {f"cache_launch[{case}]": (job.start, job.stop) for case, job in LAUNCHES.items()}
+
+
+@pytest.fixture
+def cache_launch(case: str) -> tuple[Path, subprocess.CompletedProcess]:
+    return LAUNCHES[case].result()
+
+
+@pytest.mark.launcher
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(TORCHRUN_CASES))
+def test_torchrun_every_rank_skips_the_same_steps(
+    case: str, cache_launch: tuple[Path, subprocess.CompletedProcess], model: Path, inline: dict[str, Any]
+) -> None:
+    folder, proc = cache_launch
     assert proc.returncode == 0, format_output(proc)
+    ratios = json.loads((folder / "tiny-wan-4l" / RATIOS_FILE).read_text())
+    assert ratios == json.loads((model / RATIOS_FILE).read_text()), "the launch's checkpoint is not the module's"
+    nproc, engines = TORCHRUN_CASES[case]
     for engine, *_ in engines:
         for name in REQUESTS:
             for rank in range(nproc):
-                report = json.loads((tmp_path / f"{engine}-{name}-rank{rank}.json").read_text())
+                report = json.loads((folder / f"{engine}-{name}-rank{rank}.json").read_text())
                 assert report == inline[name].cache, (engine, name, rank, report)
-            frames = np.load(tmp_path / f"{engine}-{name}.npy")
+            frames = np.load(folder / f"{engine}-{name}.npy")
             assert max_abs_diff(frames, inline[name].frames) <= 2, (engine, name)
 
 

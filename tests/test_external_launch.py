@@ -10,13 +10,14 @@ every rank, the thread policy; and no gloo thread may be alive when its ranks' i
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +28,7 @@ from distvideo import VideoGenerator
 from distvideo.cli.main import main
 from distvideo.media import write_video
 
+from background import FolderJob
 from conftest import REPO, max_abs_diff
 from launchers import SLURM_NODES, format_output, local_slurm, run_launcher  # noqa: F401
 
@@ -86,34 +88,50 @@ def gloo_thread_names() -> list[str]:
     return sorted(n for n in names if "gloo" in n)
 
 
-def exit_threads_probe(folder: Path) -> dict[str, str]:
+def exit_threads_probe(folder: Path, base: Mapping[str, str]) -> dict[str, str]:
     """The environment that makes launched ranks report their threads at exit into `folder` (one JSON per process)."""
     (folder / "site").mkdir(parents=True)
     (folder / "site" / "sitecustomize.py").write_text(textwrap.dedent(EXIT_THREADS_PROBE))
     (folder / "reports").mkdir()
     return {
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(folder / "site"), os.environ.get("PYTHONPATH")])),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(folder / "site"), base.get("PYTHONPATH")])),
         "DISTVIDEO_TEST_EXIT_THREADS": str(folder / "reports"),
     }
 
 
+def _launch_api(launcher: str, tmp: Path, environ: Mapping[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Every rank runs the `generate` command in-process, then the API script (rank_scripts/external_api.py), with
+    OMP_NUM_THREADS unset (the user's shell must not decide the thread policy) and the exit-threads probe."""
+    base = {k: v for k, v in (os.environ if environ is None else environ).items() if k not in THREAD_VARIABLES}
+    (tmp / "api").mkdir()
+    (tmp / "cli").mkdir()
+    argv = [str(REPO / "tests" / "rank_scripts" / "external_api.py"), str(tmp / "api"), str(tmp / "cli/v.mp4")]
+    env = exit_threads_probe(tmp / "probe", base)
+    return run_launcher(launcher, argv, nproc=2, env=env, timeout=300, base=base)
+
+
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "DISTVIDEO_NUM_THREADS")
+# one 2-rank launch per launcher serves both tests below; torchrun's and the MPIs' run in the background
+# (background.py), srun's in the test (a job never uses the session's Slurm)
+API_LAUNCHES = {
+    launcher: FolderJob(
+        f"external API under {launcher}", f"external-{launcher}", functools.partial(_launch_api, launcher)
+    )
+    for launcher in ("torchrun", "mpirun", "mpich")
+}
+BACKGROUND_JOBS = {f"launch[{launcher}]": (job.start, job.stop) for launcher, job in API_LAUNCHES.items()}
+
+
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory) -> Callable[[str], tuple[Path, subprocess.CompletedProcess]]:
-    """One 2-rank launch per launcher serves both tests below: every rank runs the `generate` command in-process,
-    then the API script (rank_scripts/external_api.py), with OMP_NUM_THREADS unset and the exit-threads probe."""
     done: dict[str, tuple[Path, subprocess.CompletedProcess]] = {}
 
     def run(launcher: str) -> tuple[Path, subprocess.CompletedProcess]:
+        if launcher in API_LAUNCHES:
+            return API_LAUNCHES[launcher].result()
         if launcher not in done:
             tmp = tmp_path_factory.mktemp(f"launch-{launcher}")
-            (tmp / "api").mkdir()
-            (tmp / "cli").mkdir()
-            argv = [str(REPO / "tests" / "rank_scripts" / "external_api.py"), str(tmp / "api"), str(tmp / "cli/v.mp4")]
-            with pytest.MonkeyPatch.context() as mp:
-                for name in ("OMP_NUM_THREADS", "DISTVIDEO_NUM_THREADS"):
-                    mp.delenv(name, raising=False)  # the user's shell must not decide the thread policy
-                env = exit_threads_probe(tmp / "probe")
-                done[launcher] = (tmp, run_launcher(launcher, argv, nproc=2, env=env, timeout=300))
+            done[launcher] = (tmp, _launch_api(launcher, tmp))
         return done[launcher]
 
     return run
@@ -253,15 +271,33 @@ THREAD_CASES = [
 ]
 
 
+def _launch_report(launcher: str, ranks: int, omp: str | None, folder: Path, environ: Mapping[str, str]):
+    base = {k: v for k, v in environ.items() if k not in THREAD_VARIABLES}  # the user's shell must not decide the case
+    env = {"OMP_NUM_THREADS": omp} if omp is not None else {}
+    return run_launcher(launcher, [str(LAUNCH_REPORT), str(folder)], nproc=ranks, env=env, timeout=300, base=base)
+
+
+# whole launches whose reports are all the test checks: in the background (background.py)
+THREAD_LAUNCHES = {
+    case.id: FolderJob(f"threads per rank, {case.id}", "threads", functools.partial(_launch_report, *case.values[:3]))
+    for case in THREAD_CASES
+}
+BACKGROUND_JOBS["threads_launch"] = (
+    lambda: [job.start() for job in THREAD_LAUNCHES.values()],
+    lambda: [job.stop() for job in THREAD_LAUNCHES.values()],
+)
+
+
+@pytest.fixture
+def threads_launch(request) -> tuple[Path, subprocess.CompletedProcess]:
+    return THREAD_LAUNCHES[request.node.callspec.id].result()
+
+
 @pytest.mark.parametrize(("launcher", "ranks", "omp", "expected"), THREAD_CASES)
-def test_threads_per_rank(launcher, ranks, omp, expected, tmp_path):
+def test_threads_per_rank(launcher, ranks, omp, expected, threads_launch):
     """Each rank runs about cores on the node / ranks on the node intra-op threads, unless the user set
     OMP_NUM_THREADS (2 ranks per node, and torchrun's own OMP_NUM_THREADS=1: test_api_under_launcher)."""
-    env = {"OMP_NUM_THREADS": omp} if omp is not None else {}
-    with pytest.MonkeyPatch.context() as mp:
-        for name in ("OMP_NUM_THREADS", "DISTVIDEO_NUM_THREADS"):
-            mp.delenv(name, raising=False)  # the user's shell must not decide the case
-        proc = run_launcher(launcher, [str(LAUNCH_REPORT), str(tmp_path)], nproc=ranks, env=env, timeout=300)
+    folder, proc = threads_launch
     assert proc.returncode == 0, format_output(proc)
-    for report in rank_reports(tmp_path, ranks):
+    for report in rank_reports(folder, ranks):
         assert report["threads"] == expected(report["cores"]), report

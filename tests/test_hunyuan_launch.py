@@ -7,6 +7,9 @@ shared with the Wan families); srun and mpirun run two of them (both tasks, both
 from __future__ import annotations
 
 import json
+import os
+import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +18,7 @@ import pytest
 
 from distvideo import VideoGenerator
 
+from background import FolderJob, run_program
 from conftest import REPO
 from launchers import format_output, run_launcher
 
@@ -37,12 +41,10 @@ ENGINES = [  # (engine, checkpoint, sp_size, cfg_parallel, request)
 ]
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def build_checkpoints(root: Path) -> dict[str, Any]:
     from distvideo.testing.families import write_test_image
     from distvideo.testing.hunyuan import build_hunyuan_checkpoint
 
-    root = tmp_path_factory.mktemp("hv15-launch")
     return {
         "t2v": build_hunyuan_checkpoint(root / "t2v", seed=23),
         "i2v": build_hunyuan_checkpoint(root / "i2v", seed=24, image_to_video=True, target_size=64),
@@ -50,11 +52,18 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     }
 
 
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return build_checkpoints(tmp_path_factory.mktemp("hv15-launch"))
+
+
 def _kwargs(checkpoints: dict[str, Any], kind: str, request: dict[str, Any]) -> dict[str, Any]:
     return {**request, **({"image": str(checkpoints["image"])} if kind == "i2v" else {})}
 
 
-def _run(launcher: str, tmp: Path, checkpoints: dict[str, Any], engines: list[tuple]) -> dict[str, Any]:
+def _run(
+    launcher: str, tmp: Path, checkpoints: dict[str, Any], engines: list[tuple], base: dict[str, str] | None = None
+) -> dict[str, Any]:
     cases = [
         {
             "name": name,
@@ -67,14 +76,32 @@ def _run(launcher: str, tmp: Path, checkpoints: dict[str, Any], engines: list[tu
         for name, kind, sp, cfg, request in engines
     ]
     (tmp / "cases.json").write_text(json.dumps(cases))
-    proc = run_launcher(launcher, [str(SCRIPT), str(tmp / "cases.json"), str(tmp)], nproc=2, timeout=600)
+    argv = [str(SCRIPT), str(tmp / "cases.json"), str(tmp)]
+    proc = run_launcher(launcher, argv, nproc=2, timeout=600, base=base)
     assert proc.returncode == 0, format_output(proc)
     return {"dir": tmp, "report": json.loads((tmp / "report.json").read_text())}
 
 
+def _torchrun_launch(folder: Path, environ: dict[str, str]) -> dict[str, Any]:
+    """The four engines under one torchrun, on checkpoints of its own (built in a process of its own: the same bytes
+    as the module's, which the single-rank frames come from)."""
+    code = "import sys, pathlib, test_hunyuan_launch as t; t.build_checkpoints(pathlib.Path(sys.argv[1]))"
+    env = {**environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "tests"), environ.get("PYTHONPATH")]))}
+    build = run_program([sys.executable, "-c", code, str(folder)], threading.Event(), 300, env=env)
+    assert build.returncode == 0, build.stderr
+    checkpoints = {"t2v": folder / "t2v", "i2v": folder / "i2v", "image": folder / "image.png"}
+    (folder / "launch").mkdir()
+    return _run("torchrun", folder / "launch", checkpoints, ENGINES, base=environ)
+
+
+# a launch whose outcome is all the tests check: in the background (background.py)
+TORCHRUN = FolderJob("HunyuanVideo 1.5 under torchrun", "hv15-torchrun", _torchrun_launch)
+BACKGROUND_JOBS = {"launch": (TORCHRUN.start, TORCHRUN.stop)}
+
+
 @pytest.fixture(scope="module")
-def launch(tmp_path_factory: pytest.TempPathFactory, checkpoints: dict[str, Any]) -> dict[str, Any]:
-    return _run("torchrun", tmp_path_factory.mktemp("hv15-torchrun"), checkpoints, ENGINES)
+def launch() -> dict[str, Any]:
+    return TORCHRUN.result()[1]
 
 
 @pytest.fixture(scope="module")
