@@ -21,6 +21,7 @@ import queue
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -135,6 +136,20 @@ class FolderJob(BackgroundJob[tuple[Path, T]]):
         super().stop()
         for folder in self._folders:
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def run_python(
+    code: str, args: Sequence[str], environ: dict[str, str], timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    """`python -c code args` with the job's environment (a job builds what a session fixture would have built, in a
+    process of its own: the GIL stays with the foreground); fails the job when it exits non-zero."""
+    proc = run_program([sys.executable, "-c", code, *args], threading.Event(), timeout, env=environ)
+    assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+#: `run_python(BUILD_CHECKPOINT, [folder], environ)`: the session's test_checkpoint (conftest.py), the same bytes
+BUILD_CHECKPOINT = "import sys; from distvideo.testing.checkpoints import build_test_checkpoint as b; b(sys.argv[1])"
 
 
 def _run_queue() -> None:

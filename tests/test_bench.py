@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import json
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
 
 from distvideo.bench import run as bench_run  # a submodule: `bench.run` exists only once something imported it
 from distvideo.cli.main import main
+from distvideo.models.embedded import tiny_model_path
 from distvideo.models.flops import wan_transformer_flops, wan_transformer_flops_breakdown
 
+from background import FolderJob
 from launchers import format_output, run_launcher
 
 # 1 layer, 2 heads x 4 = dim 8, ffn 16; latents (1, 4, 2, 4, 6) -> 2 x 2 x 3 = 12 tokens; 5 text tokens
@@ -242,14 +246,30 @@ def test_bench_reports_the_weights_each_rank_holds_under_sharding(tmp_path, tiny
     assert sum(shares) == pytest.approx(2 * whole - parameters, abs=1e-9), (shares, whole, parameters)
 
 
+def _bench_launch(folder: Path, environ: dict[str, str]) -> subprocess.CompletedProcess:
+    """Every rank runs the same command (on the embedded model)."""
+    out = folder / "reports"
+    out.mkdir()
+    argv = ["-m", "distvideo", "bench", "--model", str(tiny_model_path()), *BENCH_2, "--json", str(out / "bench.json")]
+    return run_launcher("torchrun", argv, nproc=2, timeout=400, base=environ)
+
+
+# a launch whose outcome is all the test checks: in the background (background.py)
+TORCHRUN = FolderJob("bench under torchrun", "bench-torchrun", _bench_launch)
+BACKGROUND_JOBS = {"bench_launch": (TORCHRUN.start, TORCHRUN.stop)}
+
+
+@pytest.fixture
+def bench_launch() -> tuple[Path, subprocess.CompletedProcess]:
+    return TORCHRUN.result()
+
+
 @pytest.mark.launcher
 @pytest.mark.slow
-def test_bench_under_torchrun(tmp_path, tiny_model):
+def test_bench_under_torchrun(bench_launch):
     """Every rank runs the same command; rank 0 alone writes the report."""
-    out = tmp_path / "reports"
-    out.mkdir()
-    argv = ["-m", "distvideo", "bench", "--model", str(tiny_model), *BENCH_2, "--json", str(out / "bench.json")]
-    proc = run_launcher("torchrun", argv, nproc=2, timeout=400)
+    folder, proc = bench_launch
+    out = folder / "reports"
     assert proc.returncode == 0, format_output(proc)
     assert [p.name for p in out.iterdir()] == ["bench.json"]
     check_multi_rank_report(json.loads((out / "bench.json").read_text()), "external")

@@ -33,6 +33,8 @@ import torch.nn.functional as F
 
 from distvideo import VideoGenerator
 
+from background import FolderJob
+
 RECORDED = Path(__file__).parent / "data" / "frames_before_restructure.npz"
 PROMPT = "a lighthouse in a storm"
 REQUEST = dict(num_frames=9, height=48, width=80, num_inference_steps=4, guidance_scale=5.0, seed=11, save_video=False)
@@ -138,21 +140,42 @@ def test_sequence_parallel_frames_are_the_recorded_ones(test_checkpoint, recorde
 RESHAPING = Path(__file__).parent / "data" / "frames_before_reshaping.npz"
 
 
+def _launch_layouts(folder: Path, environ: dict[str, str]) -> subprocess.CompletedProcess:
+    """The torchrun launch, on a copy of the session's test checkpoint built in a process of its own."""
+    from background import BUILD_CHECKPOINT, run_python
+    from launchers import run_launcher
+
+    run_python(BUILD_CHECKPOINT, [str(folder / "ckpt")], environ)
+    (folder / "out").mkdir()
+    script = Path(__file__).parent / "rank_scripts" / "recorded_layouts.py"
+    argv = [str(script), str(folder / "ckpt"), str(folder / "out")]
+    return run_launcher("torchrun", argv, nproc=2, timeout=300, base=environ)
+
+
+# a launch whose outcome is all the test checks: in the background (background.py)
+LAYOUTS = FolderJob("the recorded layouts under torchrun", "recorded-layouts", _launch_layouts)
+BACKGROUND_JOBS = {"launched_layouts": (LAYOUTS.start, LAYOUTS.stop)}
+
+
+@pytest.fixture
+def launched_layouts() -> tuple[Path, subprocess.CompletedProcess]:
+    return LAYOUTS.result()
+
+
 @pytest.mark.launcher
 @pytest.mark.slow
-def test_launched_layouts_give_the_recorded_frames_and_videos(test_checkpoint, tmp_path):
+def test_launched_layouts_give_the_recorded_frames_and_videos(launched_layouts):
     """Issue 27's reshaping (one primitive per executor, groups from a device mesh, named plans) keeps every frame
     and every video byte of the external executor's 2-rank layouts: sp=2, cfg=2, and two items over 2 replicas, each
     as commit 0de9300's code gave them (scripts/record_frames.py --set reshaping). Video bytes are compared on a
     machine of a recorded kind only: elsewhere the frames differ within the tolerance, and so do the files."""
     from rank_scripts.recorded_layouts import read_outputs
 
-    from launchers import format_output, run_launcher
+    from launchers import format_output
 
-    script = Path(__file__).parent / "rank_scripts" / "recorded_layouts.py"
-    proc = run_launcher("torchrun", [str(script), str(test_checkpoint), str(tmp_path)], nproc=2, timeout=300)
+    folder, proc = launched_layouts
     assert proc.returncode == 0, format_output(proc)
-    launched = read_outputs(tmp_path)
+    launched = read_outputs(folder / "out")
     with np.load(RESHAPING) as data:
         recorded = {name: data[name] for name in data.files}
     names = sorted({key.split("_", 1)[1] for key in recorded if not key.endswith("_video")})

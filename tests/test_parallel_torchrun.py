@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -23,7 +22,7 @@ import pytest
 from distvideo import VideoGenerator
 from distvideo.models.embedded import tiny_model_path
 
-from background import BackgroundJob, run_program
+from background import BUILD_CHECKPOINT, BackgroundJob, run_python
 from conftest import REPO, max_abs_diff
 from launchers import format_output, run_launcher
 
@@ -87,8 +86,7 @@ def _both_launches(stopping: threading.Event, environ: dict[str, str]) -> dict[s
     its own: the same bytes as the session's, which the single-rank frames come from)."""
     tmp = Path(tempfile.mkdtemp(prefix="distvideo-parallel-torchrun-"))
     try:
-        build = run_program([sys.executable, "-c", BUILD_CHECKPOINT, str(tmp / "ckpt")], stopping, 300, env=environ)
-        assert build.returncode == 0, build.stderr
+        run_python(BUILD_CHECKPOINT, [str(tmp / "ckpt")], environ)
         models = {"embedded": tiny_model_path(), "ckpt": tmp / "ckpt"}
         (tmp / "two").mkdir()
         (tmp / "four").mkdir()
@@ -99,7 +97,6 @@ def _both_launches(stopping: threading.Event, environ: dict[str, str]) -> dict[s
         raise
 
 
-BUILD_CHECKPOINT = "import sys; from distvideo.testing.checkpoints import build_test_checkpoint as b; b(sys.argv[1])"
 # two launches (about 22 s) whose outcomes are all the tests check: in the background (background.py)
 LAUNCHES = BackgroundJob("parallel layouts under torchrun, 2 and 4 ranks", _both_launches)
 BACKGROUND_JOBS = {"launches": (LAUNCHES.start, LAUNCHES.stop)}

@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 from distvideo.cli.main import main
-from family_checkpoints import family_checkpoint, test_image
+from family_checkpoints import SEEDS, family_checkpoint, test_image
 
+from background import FolderJob, run_program
 from launchers import format_output, run_launcher
 
 pytestmark = pytest.mark.slow
@@ -29,10 +33,11 @@ FAMILIES = {
 }
 
 
-def _batch(factory: pytest.TempPathFactory, family: str) -> tuple[Path, Path, list[str]]:
-    """(model, prompt file, the CLI's request flags): two items with different images and seeds."""
-    folder = factory.mktemp(f"replica-images-{family}")
-    images = [test_image(factory, seed=seed) for seed in (21, 22)]
+IMAGE_SEEDS = (21, 22)
+
+
+def _items(folder: Path, images: list[Path]) -> Path:
+    """The prompt file: two items with different images and seeds."""
     prompts = folder / "items.jsonl"
     prompts.write_text(
         "".join(
@@ -40,6 +45,13 @@ def _batch(factory: pytest.TempPathFactory, family: str) -> tuple[Path, Path, li
             for i, image in enumerate(images)
         )
     )
+    return prompts
+
+
+def _batch(factory: pytest.TempPathFactory, family: str) -> tuple[Path, Path, list[str]]:
+    """(model, prompt file, the CLI's request flags)."""
+    folder = factory.mktemp(f"replica-images-{family}")
+    prompts = _items(folder, [test_image(factory, seed=seed) for seed in IMAGE_SEEDS])
     return family_checkpoint(factory, family), prompts, [*FAMILIES[family], "--no-progress"]
 
 
@@ -85,16 +97,48 @@ def test_mp_replicas_condition_each_item_on_its_own_image(family, single_runs, t
     assert _videos(tmp_path) == expected
 
 
+BUILD = (
+    "import sys; from distvideo.testing.families import build_family_checkpoint, write_test_image; "
+    "build_family_checkpoint('wan21_i2v', sys.argv[1] + '/model', scheduler='unipc', seed=int(sys.argv[2])); "
+    "[write_test_image(f'{sys.argv[1]}/image-{s}.png', width=40, height=28, seed=s) for s in map(int, sys.argv[3:])]"
+)
+
+
+def _launch(folder: Path, environ: dict[str, str]) -> subprocess.CompletedProcess:
+    """The torchrun launch, on a checkpoint and images of its own (built in a process of its own: the same bytes as
+    the session's, family_checkpoints.py, which the single runs come from)."""
+    seeds = [str(seed) for seed in IMAGE_SEEDS]
+    build = run_program(
+        [sys.executable, "-c", BUILD, str(folder), str(SEEDS["wan21_i2v"]), *seeds], threading.Event(), 300, env=environ
+    )
+    assert build.returncode == 0, build.stderr
+    prompts = _items(folder, [folder / f"image-{seed}.png" for seed in IMAGE_SEEDS])
+    argv = ["-m", "distvideo", "generate", "--model", str(folder / "model"), "--prompts", str(prompts)]
+    flags = [*FAMILIES["wan21_i2v"], "--no-progress", "--replicas", "2"]
+    return run_launcher(
+        "torchrun", [*argv, "--output", str(folder / "out"), *flags], nproc=2, timeout=300, base=environ
+    )
+
+
+# a launch whose outcome is all the test checks: in the background (background.py)
+LAUNCH = FolderJob("replicas' image conditioning under torchrun", "replica-images", _launch)
+BACKGROUND_JOBS = {"launched": (LAUNCH.start, LAUNCH.stop)}
+
+
+@pytest.fixture
+def launched() -> tuple[Path, subprocess.CompletedProcess]:
+    return LAUNCH.result()
+
+
 @pytest.mark.launcher
-def test_launched_replicas_condition_each_item_on_its_own_image(single_runs, tmp_path):
+def test_launched_replicas_condition_each_item_on_its_own_image(single_runs, launched):
     """Under torchrun (the issue's reproduction), on the family with two conditioning broadcasts (CLIP tokens and the
     first-frame latents); the other families take the same code path, shown on mp above."""
-    model, prompts, flags, expected, _ = single_runs["wan21_i2v"]
-    argv = ["-m", "distvideo", "generate", "--model", str(model), "--prompts", str(prompts), "--output", str(tmp_path)]
-    proc = run_launcher("torchrun", [*argv, *flags, "--replicas", "2"], nproc=2, timeout=300)
+    *_, expected, _ = single_runs["wan21_i2v"]
+    folder, proc = launched
     assert proc.returncode == 0, format_output(proc)
-    assert _replicas(tmp_path) == {0, 1}, "each replica ran one item"
-    assert _videos(tmp_path) == expected
+    assert _replicas(folder / "out") == {0, 1}, "each replica ran one item"
+    assert _videos(folder / "out") == expected
 
 
 def test_replicas_of_two_ranks_broadcast_inside_their_replica(single_runs, tmp_path):
