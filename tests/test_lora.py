@@ -8,8 +8,10 @@ distvideo.testing.lora_files. One inline generator serves most tests (loading on
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import cloudpickle
 import numpy as np
@@ -25,6 +27,7 @@ from distvideo.lora.rank import describe, lora_state, transformer_digest
 from distvideo.media import write_video
 from distvideo.testing.lora_files import LAYOUTS, random_lora_layers, save_lora_file, wan_layer_name
 
+from background import FolderJob, run_python
 from conftest import REPO, diffusers_frames, diffusers_pipeline, max_abs_diff
 from launchers import format_output, run_launcher
 
@@ -559,13 +562,41 @@ def test_wan_and_musubi_layouts_read_as_diffusers_own_loader_reads_them(tiny_mod
     assert ours[name].scale == ALPHA_B / 4  # alpha 2 at rank 4: a check that would be weak at scale 1
 
 
+# adapters A and B as the fixtures `files` write them, in a process of its own
+WRITE_FILES = (
+    "import sys; from distvideo.models.embedded import tiny_model_path as m; "
+    "from distvideo.testing.lora_files import random_lora_layers as r, save_lora_file as s; "
+    "s(sys.argv[1] + '/a.safetensors', r(m(), rank=4, seed=1), layout='diffusers'); "
+    f"s(sys.argv[1] + '/b_wan.safetensors', r(m(), rank=4, seed=2), layout='wan', alpha={ALPHA_B})"
+)
+
+
+def _torchrun_launch(folder: Path, environ: dict[str, str]) -> subprocess.CompletedProcess:
+    run_python(WRITE_FILES, [str(folder)], environ)
+    (folder / "out").mkdir()
+    script = REPO / "tests" / "rank_scripts" / "lora_ranks.py"
+    argv = [str(script), str(folder / "out"), str(folder / "a.safetensors"), str(folder / "b_wan.safetensors")]
+    return run_launcher("torchrun", argv, nproc=2, timeout=600, base=environ)
+
+
+# a launch whose outcome is all the test checks: in the background (background.py)
+TORCHRUN = FolderJob("LoRA under torchrun", "lora-torchrun", _torchrun_launch)
+BACKGROUND_JOBS = {"torchrun_launch": (TORCHRUN.start, TORCHRUN.stop)}
+
+
+@pytest.fixture
+def torchrun_launch() -> tuple[Path, subprocess.CompletedProcess]:
+    return TORCHRUN.result()
+
+
 @pytest.mark.launcher
 @pytest.mark.slow
-def test_torchrun_sp2_cfg2_transaction_and_parity(tmp_path, files, frames_a07, mp_gen):
-    script = REPO / "tests" / "rank_scripts" / "lora_ranks.py"
-    argv = [str(script), str(tmp_path), str(files["a"]), str(files["b"])]
-    proc = run_launcher("torchrun", argv, nproc=2, timeout=600)
+def test_torchrun_sp2_cfg2_transaction_and_parity(torchrun_launch, files, frames_a07, mp_gen):
+    folder, proc = torchrun_launch
     assert proc.returncode == 0, format_output(proc)
+    for name, file in (("a.safetensors", files["a"]), ("b_wan.safetensors", files["b"])):
+        assert (folder / name).read_bytes() == file.read_bytes(), f"the launch's {name} is not the module's"
+    tmp_path = folder / "out"
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0 == r1, "every rank saw the same digests, states and errors"
     # a LoRA on sp=2 (merged, and on the fly) and on cfg=2 gives the single-rank frames within 2 (other layouts)

@@ -14,12 +14,15 @@ from __future__ import annotations
 import ast
 import json
 import math
+import subprocess
+from pathlib import Path
 
 import pytest
 
 from distvideo.parallel.groups import mesh_dims, replica_dim
 from distvideo.parallel.layout import ParallelLayout
 
+from background import FolderJob
 from conftest import REPO
 from launchers import format_output, run_launcher
 
@@ -182,10 +185,20 @@ LAYOUTS += [[2, 1, 4, 2], [1, 2, 4, 2], [1, 2, 4, 4], [1, 1, 8, 2]]  # USP: ...,
 WORLD = 8
 
 
+def _launch(folder: Path, environ: dict[str, str]) -> subprocess.CompletedProcess:
+    return run_launcher(
+        "torchrun", [str(SCRIPT), str(folder), json.dumps(LAYOUTS)], nproc=WORLD, timeout=300, base=environ
+    )
+
+
+# a launch whose outcome is all the tests check: in the background (background.py)
+LAUNCH = FolderJob("the mesh groups of 8 ranks under torchrun", "mesh", _launch)
+BACKGROUND_JOBS = {"launched": (LAUNCH.start, LAUNCH.stop)}
+
+
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory) -> list[list[dict]]:
-    out = tmp_path_factory.mktemp("mesh")
-    proc = run_launcher("torchrun", [str(SCRIPT), str(out), json.dumps(LAYOUTS)], nproc=WORLD, timeout=300)
+def launched() -> list[list[dict]]:
+    out, proc = LAUNCH.result()
     assert proc.returncode == 0, format_output(proc)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
