@@ -7,14 +7,16 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from distvideo import ConfigError
 from distvideo.models.hub import looks_like_repo_id, resolve_model
 from distvideo.testing.hub_cache import write_hub_cache
-from family_checkpoints import family_checkpoint, test_image
+from family_checkpoints import SEEDS, family_checkpoint, test_image
 
+from background import FolderJob, run_python
 from conftest import REPO
 from launchers import format_output, launcher_env, run_launcher
 
@@ -85,16 +87,37 @@ def test_in_process_offline_refusal_is_a_config_error(tmp_path, monkeypatch):
         resolve_model("nobody/nothing")
 
 
+BUILD = (
+    "import sys; from distvideo.testing.families import build_family_checkpoint as b; "
+    "b('wan22_ti2v_5b', sys.argv[1], scheduler='unipc', seed=int(sys.argv[2]))"
+)
+
+
+def _torchrun_launch(folder: Path, environ: dict[str, str]) -> tuple[Path, subprocess.CompletedProcess]:
+    """On the family's checkpoint, built in a process of its own (the session's bytes, family_checkpoints.py)."""
+    run_python(BUILD, [str(folder / "model"), str(SEEDS["wan22_ti2v_5b"])], environ)
+    snapshot = write_hub_cache(folder / "model", folder / "remote", REPO_ID)
+    script = REPO / "tests" / "rank_scripts" / "hub_download_ranks.py"
+    env = {"HF_HUB_OFFLINE": "0", "HF_HUB_CACHE": str(folder / "node-cache")}
+    assert "HF_HUB_OFFLINE" in launcher_env(env, base=environ)
+    argv = [str(script), REPO_ID, str(folder / "remote"), str(folder)]
+    return snapshot, run_launcher("torchrun", argv, nproc=2, env=env, timeout=300, base=environ)
+
+
+# a launch whose outcome is all the test checks: in the background (background.py)
+TORCHRUN = FolderJob("a hub download under torchrun", "hub-torchrun", _torchrun_launch)
+BACKGROUND_JOBS = {"torchrun_launch": (TORCHRUN.start, TORCHRUN.stop)}
+
+
+@pytest.fixture
+def torchrun_launch() -> tuple[Path, tuple[Path, subprocess.CompletedProcess]]:
+    return TORCHRUN.result()
+
+
 @pytest.mark.launcher
 @pytest.mark.slow
-def test_one_download_per_node_under_torchrun(tmp_path_factory, tmp_path):
-    model = family_checkpoint(tmp_path_factory, "wan22_ti2v_5b")
-    snapshot = write_hub_cache(model, tmp_path / "remote", REPO_ID)
-    script = REPO / "tests" / "rank_scripts" / "hub_download_ranks.py"
-    env = {"HF_HUB_OFFLINE": "0", "HF_HUB_CACHE": str(tmp_path / "node-cache")}
-    assert "HF_HUB_OFFLINE" in launcher_env(env)
-    proc = run_launcher("torchrun", [str(script), REPO_ID, str(tmp_path / "remote"), str(tmp_path)], nproc=2,
-                        env=env, timeout=300)  # fmt: skip
+def test_one_download_per_node_under_torchrun(torchrun_launch):
+    tmp_path, (snapshot, proc) = torchrun_launch
     assert proc.returncode == 0, format_output(proc)
     assert (tmp_path / "downloads.log").read_text().count("rank") == 1, "one rank downloads, the other waits"
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
