@@ -5,7 +5,9 @@ stays usable; a collective_rpc past its timeout tears the mp workers down instea
 from __future__ import annotations
 
 import json
+import subprocess
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,6 +16,7 @@ from distvideo import GenerationCancelled, GenerationTimeout, VideoGenerator
 from distvideo.cli.main import main
 from distvideo.pipelines.control import StepControl
 
+from background import FolderJob
 from conftest import REPO
 from launchers import format_output, run_launcher
 from ray_cluster import session_cluster  # noqa: F401 (the fixture ray_cluster)
@@ -105,12 +108,26 @@ def test_a_bad_request_timeout_exits_2(value, capsys):
 
 
 # --- under a launcher --------------------------------------------------------------------------------------------------
+def _launch(folder: Path, environ: dict[str, str]) -> subprocess.CompletedProcess:
+    script = REPO / "tests" / "rank_scripts" / "stop_ranks.py"
+    return run_launcher("torchrun", [str(script), str(folder)], nproc=2, timeout=300, base=environ)
+
+
+# a launch whose outcome is all the test checks: in the background (background.py)
+LAUNCH = FolderJob("stopping under torchrun", "stop-torchrun", _launch)
+BACKGROUND_JOBS = {"launched": (LAUNCH.start, LAUNCH.stop)}
+
+
+@pytest.fixture
+def launched() -> tuple[Path, subprocess.CompletedProcess]:
+    return LAUNCH.result()
+
+
 @pytest.mark.launcher
-def test_every_launched_rank_stops_at_the_same_step(tmp_path):
+def test_every_launched_rank_stops_at_the_same_step(launched):
     """request_timeout, and cancel() on rank 1 only: both ranks raise the same error after the same step, and the
     process group stays usable for the next request."""
-    script = REPO / "tests" / "rank_scripts" / "stop_ranks.py"
-    proc = run_launcher("torchrun", [str(script), str(tmp_path)], nproc=2, timeout=300)
+    tmp_path, proc = launched
     assert proc.returncode == 0, format_output(proc)
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0["timeout"] == r1["timeout"] and "was stopped after step" in r0["timeout"]

@@ -12,12 +12,15 @@ Each executor runs once per module (`runs`), whichever test asks first: every te
 from __future__ import annotations
 
 import json
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from distvideo import VideoGenerator
 
+from background import FolderJob
 from conftest import REPO, max_abs_diff
 from contract_checks import PROMPT, REQUEST, expected_failure_text, observe, thread_ids
 from launchers import format_output, run_launcher
@@ -40,9 +43,18 @@ def run_in_process(executor: str, world: int):
     return [obs], frames
 
 
-def run_external(tmp_path, world: int):
+def _launch(folder: Path, environ: dict[str, str]) -> subprocess.CompletedProcess:
     script = REPO / "tests" / "rank_scripts" / "contract_external.py"
-    proc = run_launcher("torchrun", [str(script), str(tmp_path)], nproc=world, timeout=300)
+    return run_launcher("torchrun", [str(script), str(folder)], nproc=WORLD["external"], timeout=300, base=environ)
+
+
+# the external executor's launch, whose outcome is all the tests check: in the background (background.py)
+EXTERNAL = FolderJob("the contract under torchrun", "contract-external", _launch)
+BACKGROUND_JOBS = {"runs": (EXTERNAL.start, EXTERNAL.stop)}
+
+
+def run_external(world: int):
+    tmp_path, proc = EXTERNAL.result()
     assert proc.returncode == 0, format_output(proc)
     per_rank = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
     return per_rank, np.load(tmp_path / "frames.npy")
@@ -59,7 +71,7 @@ def runs(request, tmp_path_factory):
             if executor == "ray":
                 request.getfixturevalue("ray_cluster")  # started before the threads are counted: Ray's own
             if executor == "external":
-                cache[executor] = run_external(tmp_path_factory.mktemp("external"), world)
+                cache[executor] = run_external(world)
             else:
                 cache[executor] = run_in_process(executor, world)
         return cache[executor]
