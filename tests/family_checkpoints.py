@@ -18,6 +18,12 @@ DIFFUSERS_CLASS = {
     "wan22_ti2v_5b": "WanPipeline",
 }
 _BUILT: dict[tuple[str, str], Path] = {}
+#: `python -c BUILD_FAMILY folder family`: the session's checkpoint of a family (UniPC), the same bytes, built in a
+#: process of its own (a background job's, tests/background.py)
+BUILD_FAMILY = (
+    "import sys; from distvideo.testing.families import build_family_checkpoint as b; "
+    f"b(sys.argv[2], sys.argv[1], scheduler='unipc', seed={SEEDS}[sys.argv[2]])"
+)
 
 
 def family_checkpoint(factory: pytest.TempPathFactory, family: str, scheduler: str = "unipc") -> Path:

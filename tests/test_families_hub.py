@@ -14,7 +14,7 @@ import pytest
 from distvideo import ConfigError
 from distvideo.models.hub import looks_like_repo_id, resolve_model
 from distvideo.testing.hub_cache import write_hub_cache
-from family_checkpoints import SEEDS, family_checkpoint, test_image
+from family_checkpoints import BUILD_FAMILY, family_checkpoint, test_image
 
 from background import FolderJob, run_python
 from conftest import REPO
@@ -87,15 +87,9 @@ def test_in_process_offline_refusal_is_a_config_error(tmp_path, monkeypatch):
         resolve_model("nobody/nothing")
 
 
-BUILD = (
-    "import sys; from distvideo.testing.families import build_family_checkpoint as b; "
-    "b('wan22_ti2v_5b', sys.argv[1], scheduler='unipc', seed=int(sys.argv[2]))"
-)
-
-
 def _torchrun_launch(folder: Path, environ: dict[str, str]) -> tuple[Path, subprocess.CompletedProcess]:
     """On the family's checkpoint, built in a process of its own (the session's bytes, family_checkpoints.py)."""
-    run_python(BUILD, [str(folder / "model"), str(SEEDS["wan22_ti2v_5b"])], environ)
+    run_python(BUILD_FAMILY, [str(folder / "model"), "wan22_ti2v_5b"], environ)
     snapshot = write_hub_cache(folder / "model", folder / "remote", REPO_ID)
     script = REPO / "tests" / "rank_scripts" / "hub_download_ranks.py"
     env = {"HF_HUB_OFFLINE": "0", "HF_HUB_CACHE": str(folder / "node-cache")}
