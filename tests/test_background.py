@@ -3,14 +3,17 @@ test comes first runs in the test itself, at the test's nice value; an exception
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
-from background import BackgroundJob, paused, run_program
+from background import BackgroundJob, FolderJob, paused, run_program
+from conftest import _uses_job
 
 NICE = [sys.executable, "-c", "import os; print(os.nice(0))"]
 
@@ -54,3 +57,30 @@ def test_no_job_begins_while_paused():
         # this file's order), but may not while paused
         assert job._state == "queued"
     job.result()
+
+
+def test_a_folder_job_works_in_a_folder_of_its_own_removed_when_stopped():
+    job = FolderJob("in a folder", "folder-job", lambda folder, environ: (folder / "made").write_text("yes"))
+    folder, written = job.result()
+    assert written == 3 and (folder / "made").read_text() == "yes" and folder.name.startswith("distvideo-folder-job-")
+    job.stop()
+    assert not folder.exists()
+
+
+@pytest.mark.parametrize("part", ["alpha-beta"])
+def test_a_job_named_with_an_id_starts_only_for_that_parameter(request, part):
+    assert _uses_job(request.node, "request") and _uses_job(request.node, "request[beta]")
+    assert not _uses_job(request.node, "request[gamma]") and not _uses_job(request.node, "request[alpha-beta]")
+    assert not _uses_job(request.node, "tmp_path[beta]"), "a fixture the test does not use"
+
+
+def test_every_mark_decorates_a_test():
+    """A mark on a helper marks nothing: test_mesh.py's launched tests, their marks on the helper above them, ran in
+    `make test-fast` (no launchers) for a while."""
+    misplaced = []
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and not node.name.startswith("test"):
+                marks = [ast.unparse(d) for d in node.decorator_list if ast.unparse(d).startswith("pytest.mark.")]
+                misplaced += [f"{path.name}:{node.lineno} {node.name}: {mark}" for mark in marks]
+    assert misplaced == []

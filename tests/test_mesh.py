@@ -217,8 +217,6 @@ def _check(group: dict | None, ranks: list[int] | None) -> None:
     assert group["timeout"] == 77.0, "dist_timeout must reach every group"
 
 
-@pytest.mark.launcher
-@pytest.mark.slow
 def _usp_group_ranks(layout: ParallelLayout) -> tuple[list[list[int]], list[list[int]]]:
     """(Ulysses groups, ring groups): within an sp group, contiguous runs of ulysses_size ranks, and the ranks of one
     ulysses_rank (ulysses_size apart)."""
@@ -228,6 +226,8 @@ def _usp_group_ranks(layout: ParallelLayout) -> tuple[list[list[int]], list[list
     return ulysses, ring
 
 
+@pytest.mark.launcher
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "index", range(len(LAYOUTS)), ids=["r{}xcfg{}xsp{}".format(*x) + (f"xring{x[3]}" if x[3:] else "") for x in LAYOUTS]
 )
