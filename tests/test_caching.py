@@ -8,7 +8,6 @@ steps at 48 x 48 (27 tokens: sp=2 pads to 28, so the metric's trimming of the pa
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import subprocess
@@ -102,35 +101,38 @@ BUILD_AND_CALIBRATE = (
 )
 
 
-def _launch_cases(case: str, folder: Path, environ: dict[str, str]) -> subprocess.CompletedProcess:
-    """The torchrun launch of one case, on a calibrated checkpoint of its own (built in a process of its own: the same
+def _launch_cases(folder: Path, environ: dict[str, str]) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    """Both torchrun launches, on one calibrated checkpoint of their own (built in a process of its own: the same
     bytes and ratios as the module's)."""
     model = folder / "tiny-wan-4l"
     build = run_program([sys.executable, "-c", BUILD_AND_CALIBRATE, str(model)], threading.Event(), 300, env=environ)
     assert build.returncode == 0, build.stderr
-    nproc, engines = TORCHRUN_CASES[case]
-    cases = {
-        "model": str(model),
-        "engines": [{"name": n, "sp_size": sp, "cfg_parallel": cfg, "ring_size": ring} for n, sp, cfg, ring in engines],
-        "requests": REQUESTS,
-    }
-    (folder / "cases.json").write_text(json.dumps(cases))
-    script = REPO / "tests" / "parallel_scripts" / "cache_cases.py"
-    argv = [str(script), str(folder / "cases.json"), str(folder)]
-    return run_launcher("torchrun", argv, nproc=nproc, timeout=300, base=environ)
+    launches = {}
+    for case, (nproc, engines) in TORCHRUN_CASES.items():
+        out = folder / case
+        out.mkdir()
+        cases = {
+            "model": str(model),
+            "engines": [
+                {"name": n, "sp_size": sp, "cfg_parallel": cfg, "ring_size": ring} for n, sp, cfg, ring in engines
+            ],
+            "requests": REQUESTS,
+        }
+        (out / "cases.json").write_text(json.dumps(cases))
+        script = REPO / "tests" / "parallel_scripts" / "cache_cases.py"
+        argv = [str(script), str(out / "cases.json"), str(out)]
+        launches[case] = (out, run_launcher("torchrun", argv, nproc=nproc, timeout=300, base=environ))
+    return launches
 
 
 # the launches, whose outcome is all the test checks: in the background (background.py)
-LAUNCHES = {
-    case: FolderJob(f"step caching under torchrun, {case}", f"cache-{case}", functools.partial(_launch_cases, case))
-    for case in TORCHRUN_CASES
-}
-BACKGROUND_JOBS = {f"cache_launch[{case}]": (job.start, job.stop) for case, job in LAUNCHES.items()}
+LAUNCHES = FolderJob("step caching under torchrun, 2 and 4 ranks", "cache-torchrun", _launch_cases)
+BACKGROUND_JOBS = {"cache_launch": (LAUNCHES.start, LAUNCHES.stop)}
 
 
 @pytest.fixture
 def cache_launch(case: str) -> tuple[Path, subprocess.CompletedProcess]:
-    return LAUNCHES[case].result()
+    return LAUNCHES.result()[1][case]
 
 
 @pytest.mark.launcher
@@ -141,7 +143,7 @@ def test_torchrun_every_rank_skips_the_same_steps(
 ) -> None:
     folder, proc = cache_launch
     assert proc.returncode == 0, format_output(proc)
-    ratios = json.loads((folder / "tiny-wan-4l" / RATIOS_FILE).read_text())
+    ratios = json.loads((folder.parent / "tiny-wan-4l" / RATIOS_FILE).read_text())
     assert ratios == json.loads((model / RATIOS_FILE).read_text()), "the launch's checkpoint is not the module's"
     nproc, engines = TORCHRUN_CASES[case]
     for engine, *_ in engines:
