@@ -2,16 +2,19 @@
 signalled while it waits), run in the background while the rest of the suite runs, so that the second core, which
 single-threaded phases of other tests leave idle, does their work.
 
-A module names them in BACKGROUND_JOBS, fixture name -> (start, stop) (conftest.py calls `start` when collection ends
-for a collected test that uses the fixture, and `stop` at the session's end). The jobs run one after another, in the
-order they were started, in one daemon thread, and every program they start runs at nice 19: never two at once, and
-only on what the tests in the foreground leave idle. The
-fixture calls `result()`: a job not yet begun is run there and then (so a test that comes first, or runs on its own,
-needs nothing else); one under way is waited for. A job only computes: it returns what the test checks, and the test
-asserts and prints its figures itself (output of the thread would land in whichever test is running). A job must not
-use pytest's fixtures (tmp_path, monkeypatch) or anything another test changes (the session's Ray cluster, the local
-Slurm): it makes its own temporary folder, and takes its environment from the copy of os.environ it is given, made
-when it was queued (never os.environ itself, which the test running meanwhile may have changed)."""
+A module names them in BACKGROUND_JOBS, fixture name -> (start, stop), that is ``{"name": JOB.hooks}`` (conftest.py
+calls `start` when collection ends for a collected test that uses the fixture, or with "name[id]" one whose parameter
+id has that part; and `stop` at the session's end). The jobs run one after another, in the order they were started,
+in one daemon thread, and every program they start runs at nice 19: never two at once, and only on what the tests in
+the foreground leave idle. The fixture (``name = JOB.fixture("name")``, or one of the module's own) calls `result()`:
+a job not yet begun is run there and then (so a test that comes first, or runs on its own, needs nothing else); one
+under way is waited for. A job only computes: it returns what the test checks, and the test asserts and prints its
+figures itself (output of the thread would land in whichever test is running). A job must not use pytest's fixtures
+(tmp_path, monkeypatch) or anything another test changes (the session's Ray cluster, the local Slurm, whose ranks
+slurmstepd starts, out of reach of nice): it makes its own temporary folder (FolderJob), builds what a session fixture
+would have built in a process of its own (run_python), and takes its environment from the copy of os.environ it is
+given, made when it was queued (never os.environ itself, which the test running meanwhile may have changed). A test
+whose job must use a fixture's bytes checks that they are (LoRA files, MagCache ratios)."""
 
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 import psutil
+import pytest
 
 T = TypeVar("T")
 
@@ -91,6 +95,20 @@ class BackgroundJob(Generic[T]):
         if self._error is not None:
             raise self._error
         return self._value  # type: ignore[return-value]
+
+    @property
+    def hooks(self) -> tuple[Callable[[], None], Callable[[], None]]:
+        """(start, stop): a module's BACKGROUND_JOBS entry, ``{fixture_name: job.hooks}``."""
+        return self.start, self.stop
+
+    def fixture(self, name: str, scope: str = "function") -> Any:
+        """A pytest fixture named `name` whose value is the job's result: ``name = JOB.fixture("name")``."""
+
+        def result() -> T:
+            return self.result()
+
+        result.__name__ = name
+        return pytest.fixture(scope=scope, name=name)(result)  # type: ignore[call-overload]
 
     def _claim_queued(self) -> bool:
         with _lock:

@@ -316,7 +316,7 @@ LAUNCHED = {
     )
     for launcher in ("torchrun", "mpirun")
 }
-BACKGROUND_JOBS = {f"launched_batch[{launcher}]": (job.start, job.stop) for launcher, job in LAUNCHED.items()}
+BACKGROUND_JOBS = {f"launched_batch[{launcher}]": job.hooks for launcher, job in LAUNCHED.items()}
 
 
 @pytest.fixture

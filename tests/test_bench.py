@@ -256,12 +256,10 @@ def _bench_launch(folder: Path, environ: dict[str, str]) -> subprocess.Completed
 
 # a launch whose outcome is all the test checks: in the background (background.py)
 TORCHRUN = FolderJob("bench under torchrun", "bench-torchrun", _bench_launch)
-BACKGROUND_JOBS = {"bench_launch": (TORCHRUN.start, TORCHRUN.stop)}
+BACKGROUND_JOBS = {"bench_launch": TORCHRUN.hooks}
 
 
-@pytest.fixture
-def bench_launch() -> tuple[Path, subprocess.CompletedProcess]:
-    return TORCHRUN.result()
+bench_launch = TORCHRUN.fixture("bench_launch")
 
 
 @pytest.mark.launcher

@@ -127,7 +127,7 @@ def _launch_cases(folder: Path, environ: dict[str, str]) -> dict[str, tuple[Path
 
 # the launches, whose outcome is all the test checks: in the background (background.py)
 LAUNCHES = FolderJob("step caching under torchrun, 2 and 4 ranks", "cache-torchrun", _launch_cases)
-BACKGROUND_JOBS = {"cache_launch": (LAUNCHES.start, LAUNCHES.stop)}
+BACKGROUND_JOBS = {"cache_launch": LAUNCHES.hooks}
 
 
 @pytest.fixture

@@ -115,12 +115,10 @@ def _launch(folder: Path, environ: dict[str, str]) -> subprocess.CompletedProces
 
 # a launch whose outcome is all the test checks: in the background (background.py)
 LAUNCH = FolderJob("stopping under torchrun", "stop-torchrun", _launch)
-BACKGROUND_JOBS = {"launched": (LAUNCH.start, LAUNCH.stop)}
+BACKGROUND_JOBS = {"launched": LAUNCH.hooks}
 
 
-@pytest.fixture
-def launched() -> tuple[Path, subprocess.CompletedProcess]:
-    return LAUNCH.result()
+launched = LAUNCH.fixture("launched")
 
 
 @pytest.mark.launcher

@@ -133,7 +133,7 @@ def _launch_sp2_cfg2(stopping: threading.Event, environ: dict[str, str]) -> Laun
 
 # a 4-rank launch (18 s) whose outcome is all the test checks: in the background (background.py)
 LAUNCH = BackgroundJob("demo model, torchrun sp2 x cfg2", _launch_sp2_cfg2)
-BACKGROUND_JOBS = {"launched_sp2_cfg2": (LAUNCH.start, LAUNCH.stop)}
+BACKGROUND_JOBS = {"launched_sp2_cfg2": LAUNCH.hooks}
 
 
 @pytest.fixture

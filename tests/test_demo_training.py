@@ -21,6 +21,7 @@ from distvideo import VideoGenerator
 from conftest import REPO
 
 SCRIPT = REPO / "scripts" / "train_demo_model.py"
+pytestmark = pytest.mark.slow  # every test reads one whole training run (about 10 s): not in `make test-fast`
 
 
 def _load_script():

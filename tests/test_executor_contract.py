@@ -50,7 +50,7 @@ def _launch(folder: Path, environ: dict[str, str]) -> subprocess.CompletedProces
 
 # the external executor's launch, whose outcome is all the tests check: in the background (background.py)
 EXTERNAL = FolderJob("the contract under torchrun", "contract-external", _launch)
-BACKGROUND_JOBS = {"runs[external]": (EXTERNAL.start, EXTERNAL.stop)}
+BACKGROUND_JOBS = {"runs[external]": EXTERNAL.hooks}
 
 
 def run_external(world: int):

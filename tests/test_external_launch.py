@@ -119,7 +119,7 @@ API_LAUNCHES = {
     )
     for launcher in ("torchrun", "mpirun", "mpich")
 }
-BACKGROUND_JOBS = {f"launch[{launcher}]": (job.start, job.stop) for launcher, job in API_LAUNCHES.items()}
+BACKGROUND_JOBS = {f"launch[{launcher}]": job.hooks for launcher, job in API_LAUNCHES.items()}
 
 
 @pytest.fixture(scope="module")

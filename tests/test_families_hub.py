@@ -100,12 +100,10 @@ def _torchrun_launch(folder: Path, environ: dict[str, str]) -> tuple[Path, subpr
 
 # a launch whose outcome is all the test checks: in the background (background.py)
 TORCHRUN = FolderJob("a hub download under torchrun", "hub-torchrun", _torchrun_launch)
-BACKGROUND_JOBS = {"torchrun_launch": (TORCHRUN.start, TORCHRUN.stop)}
+BACKGROUND_JOBS = {"torchrun_launch": TORCHRUN.hooks}
 
 
-@pytest.fixture
-def torchrun_launch() -> tuple[Path, tuple[Path, subprocess.CompletedProcess]]:
-    return TORCHRUN.result()
+torchrun_launch = TORCHRUN.fixture("torchrun_launch")
 
 
 @pytest.mark.launcher

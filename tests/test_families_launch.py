@@ -33,12 +33,10 @@ def _launch(folder: Path, environ: dict[str, str]) -> subprocess.CompletedProces
 
 # a launch whose outcome is all the test checks: in the background (background.py)
 LAUNCH = FolderJob("an image missing on one node, under torchrun", "image-missing", _launch)
-BACKGROUND_JOBS = {"launched": (LAUNCH.start, LAUNCH.stop)}
+BACKGROUND_JOBS = {"launched": LAUNCH.hooks}
 
 
-@pytest.fixture
-def launched() -> tuple[Path, subprocess.CompletedProcess]:
-    return LAUNCH.result()
+launched = LAUNCH.fixture("launched")
 
 
 def test_cli_image_missing_on_one_node_exits_2_on_every_rank(launched):

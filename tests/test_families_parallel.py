@@ -138,7 +138,7 @@ def _both_launches(stopping: threading.Event, environ: dict[str, str]) -> dict[s
 
 # two launches (about 21 s) whose outcomes are all the tests check: in the background (background.py)
 LAUNCHES = BackgroundJob("every family under torchrun, 2 and 4 ranks", _both_launches)
-BACKGROUND_JOBS = {"launches": (LAUNCHES.start, LAUNCHES.stop)}
+BACKGROUND_JOBS = {"launches": LAUNCHES.hooks}
 
 
 @pytest.fixture(scope="module")

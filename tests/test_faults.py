@@ -551,7 +551,7 @@ def _signal_while_blocked(stopping: threading.Event, environ: dict[str, str]) ->
 
 # about 9 s, nearly all of it waiting for the signal watch's grace: in the background (background.py)
 BLOCKED = BackgroundJob("SIGTERM while blocked in native code", _signal_while_blocked)
-BACKGROUND_JOBS["blocked_and_signalled"] = (BLOCKED.start, BLOCKED.stop)
+BACKGROUND_JOBS["blocked_and_signalled"] = BLOCKED.hooks
 
 
 @pytest.fixture

@@ -154,12 +154,10 @@ def _launch_layouts(folder: Path, environ: dict[str, str]) -> subprocess.Complet
 
 # a launch whose outcome is all the test checks: in the background (background.py)
 LAYOUTS = FolderJob("the recorded layouts under torchrun", "recorded-layouts", _launch_layouts)
-BACKGROUND_JOBS = {"launched_layouts": (LAYOUTS.start, LAYOUTS.stop)}
+BACKGROUND_JOBS = {"launched_layouts": LAYOUTS.hooks}
 
 
-@pytest.fixture
-def launched_layouts() -> tuple[Path, subprocess.CompletedProcess]:
-    return LAYOUTS.result()
+launched_layouts = LAYOUTS.fixture("launched_layouts")
 
 
 @pytest.mark.launcher

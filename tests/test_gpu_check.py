@@ -41,7 +41,7 @@ def _smoke_run(
 
 # about 20 s of a program whose outcome is all the test checks: it runs in the background (background.py)
 SMOKE_RUN = BackgroundJob("gpu_check --smoke", _smoke_run)
-BACKGROUND_JOBS = {"smoke_run": (SMOKE_RUN.start, SMOKE_RUN.stop)}
+BACKGROUND_JOBS = {"smoke_run": SMOKE_RUN.hooks}
 
 
 @pytest.fixture

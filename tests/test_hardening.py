@@ -142,7 +142,7 @@ def _measure_peaks(stopping: threading.Event, environ: dict[str, str]) -> dict[s
 # two fresh processes of about 10 s each whose figures are all the test checks: in the background (background.py;
 # the peak is the kernel's high-water mark of the process, VmHWM, whatever else the machine runs)
 PEAKS = BackgroundJob("memory estimate against measured peaks", _measure_peaks)
-BACKGROUND_JOBS = {"measured_peaks": (PEAKS.start, PEAKS.stop)}
+BACKGROUND_JOBS = {"measured_peaks": PEAKS.hooks}
 
 
 @pytest.fixture

@@ -96,7 +96,7 @@ def _torchrun_launch(folder: Path, environ: dict[str, str]) -> dict[str, Any]:
 
 # a launch whose outcome is all the tests check: in the background (background.py)
 TORCHRUN = FolderJob("HunyuanVideo 1.5 under torchrun", "hv15-torchrun", _torchrun_launch)
-BACKGROUND_JOBS = {"launch": (TORCHRUN.start, TORCHRUN.stop)}
+BACKGROUND_JOBS = {"launch": TORCHRUN.hooks}
 
 
 @pytest.fixture(scope="module")

@@ -193,7 +193,7 @@ def _launch(folder: Path, environ: dict[str, str]) -> subprocess.CompletedProces
 
 # a launch whose outcome is all the tests check: in the background (background.py)
 LAUNCH = FolderJob("the mesh groups of 8 ranks under torchrun", "mesh", _launch)
-BACKGROUND_JOBS = {"launched": (LAUNCH.start, LAUNCH.stop)}
+BACKGROUND_JOBS = {"launched": LAUNCH.hooks}
 
 
 @pytest.fixture(scope="module")

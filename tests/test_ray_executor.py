@@ -62,7 +62,7 @@ LOOPBACK = BackgroundJob("ray_loopback.py", functools.partial(_script_on_a_clust
 TWO_NODES = BackgroundJob(
     "ray_two_nodes.py", functools.partial(_script_on_a_cluster_of_its_own, "ray_two_nodes.py", 400)
 )
-BACKGROUND_JOBS = {"loopback_run": (LOOPBACK.start, LOOPBACK.stop), "two_nodes_run": (TWO_NODES.start, TWO_NODES.stop)}
+BACKGROUND_JOBS = {"loopback_run": LOOPBACK.hooks, "two_nodes_run": TWO_NODES.hooks}
 
 
 @pytest.fixture

@@ -122,12 +122,10 @@ def _launch(folder: Path, environ: dict[str, str]) -> subprocess.CompletedProces
 
 # a launch whose outcome is all the test checks: in the background (background.py)
 LAUNCH = FolderJob("replicas' image conditioning under torchrun", "replica-images", _launch)
-BACKGROUND_JOBS = {"launched": (LAUNCH.start, LAUNCH.stop)}
+BACKGROUND_JOBS = {"launched": LAUNCH.hooks}
 
 
-@pytest.fixture
-def launched() -> tuple[Path, subprocess.CompletedProcess]:
-    return LAUNCH.result()
+launched = LAUNCH.fixture("launched")
 
 
 @pytest.mark.launcher

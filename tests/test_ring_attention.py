@@ -200,7 +200,7 @@ def _launch_eight_ranks(stopping: threading.Event, environ: dict[str, str]) -> t
 
 # 8 ranks on 2 cores (25 s) whose outcome is all the test checks: in the background (background.py)
 EIGHT = BackgroundJob("ring: 8 ranks under torchrun", _launch_eight_ranks)
-BACKGROUND_JOBS = {"eight_ranks": (EIGHT.start, EIGHT.stop)}
+BACKGROUND_JOBS = {"eight_ranks": EIGHT.hooks}
 
 
 @pytest.fixture

@@ -46,7 +46,7 @@ def launched_ranks(server) -> list[psutil.Process]:
 @pytest.mark.parametrize(
     "executor",
     [
-        pytest.param("inline"),
+        pytest.param("inline", marks=pytest.mark.slow),
         pytest.param("mp", marks=pytest.mark.slow),
         pytest.param("torchrun", marks=[pytest.mark.launcher, pytest.mark.slow]),
     ],
@@ -85,6 +85,7 @@ def test_sigterm_lets_the_running_job_finish_fails_the_queued_and_exits_0(tmp_pa
         assert not rank.is_running()
 
 
+@pytest.mark.slow  # a server started and stopped (or two): not in `make test-fast`
 def test_a_second_signal_cancels_the_running_job_at_once(tmp_path):
     """SIGTERM gives the running job the grace period (60 s here; it needs 20 s or more); SIGINT while stopping ends
     it after its current step. A job past the grace period is cancelled on every executor: test_serving_api's servers
@@ -104,6 +105,7 @@ def test_a_second_signal_cancels_the_running_job_at_once(tmp_path):
     assert list(server.output.glob("*.mp4")) == []
 
 
+@pytest.mark.slow  # a server started and stopped (or two): not in `make test-fast`
 def test_a_restarted_server_lists_finished_jobs_and_fails_interrupted_ones(tmp_path):
     output = tmp_path / "out"
     with start_server(tmp_path / "first", "inline", output=output) as first:
