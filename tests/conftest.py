@@ -132,14 +132,17 @@ def _uses_job(item: pytest.Item, key: str) -> bool:
 def pytest_collection_finish(session: pytest.Session) -> None:
     if session.config.option.collectonly:
         return
+    from background import paused
+
     started = set()
-    for item in session.items:
-        jobs = getattr(getattr(item, "module", None), "BACKGROUND_JOBS", {})
-        for fixture, (start, stop) in jobs.items():
-            if start not in started and _uses_job(item, fixture):
-                started.add(start)
-                _background_stops.append(stop)
-                start()
+    with paused():  # none begins before all are started: a shared launch (launch_groups.py) must know all its cases
+        for item in session.items:
+            jobs = getattr(getattr(item, "module", None), "BACKGROUND_JOBS", {})
+            for fixture, (start, stop) in jobs.items():
+                if start not in started and _uses_job(item, fixture):
+                    started.add(start)
+                    _background_stops.append(stop)
+                    start()
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -26,6 +26,7 @@ from distvideo.errors import ConfigError
 from distvideo.executors import mp, resolve_engine
 from distvideo.parallel.layout import resolve_layout
 from distvideo.request import GenerationRequest
+from launch_groups import torchrun_case
 
 from background import FolderJob
 from launchers import format_output, local_slurm, run_launcher  # noqa: F401
@@ -300,21 +301,21 @@ LAUNCH_PARAMS = [
 ]
 
 
-def _launch_batch(launcher: str, folder: Path, base: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def _batch_argv(folder: Path, environ: dict[str, str] | None = None) -> list[str]:
     prompts, out = write_prompts(folder), folder / "out"
-    argv = ["-m", "distvideo", "generate", "--prompts", str(prompts), "--output", str(out), "--replicas", "2", *SMALL]
-    return run_launcher(launcher, argv, nproc=2, timeout=300, base=base)
+    return ["-m", "distvideo", "generate", "--prompts", str(prompts), "--output", str(out), "--replicas", "2", *SMALL]
 
 
-# torchrun's and mpirun's launches, whose outcome is all the test checks: in the background (background.py); srun's
-# in the test (a job never uses the session's Slurm)
+def _launch_batch(launcher: str, folder: Path, base: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return run_launcher(launcher, _batch_argv(folder), nproc=2, timeout=300, base=base)
+
+
+# torchrun's and mpirun's launches, whose outcome is all the test checks: in the background (background.py), torchrun's
+# in turn with other modules' scripts of 2 ranks (launch_groups.py); srun's in the test (a job never uses the session's
+# Slurm)
 LAUNCHED = {
-    launcher: FolderJob(
-        f"batch replicas under {launcher}",
-        f"batch-{launcher}",
-        functools.partial(_launch_batch, launcher),
-    )
-    for launcher in ("torchrun", "mpirun")
+    "torchrun": torchrun_case("batch replicas under torchrun", 2, _batch_argv, timeout=300),
+    "mpirun": FolderJob("batch replicas under mpirun", "batch-mpirun", functools.partial(_launch_batch, "mpirun")),
 }
 BACKGROUND_JOBS = {f"launched_batch[{launcher}]": job.hooks for launcher, job in LAUNCHED.items()}
 

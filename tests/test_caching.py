@@ -8,6 +8,7 @@ steps at 48 x 48 (27 tokens: sp=2 pads to 28, so the metric's trimming of the pa
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import subprocess
@@ -24,10 +25,11 @@ from distvideo.cli.main import EXIT_BAD_INPUT, main
 from distvideo.errors import ConfigError
 from distvideo.models.cache_ratios import RATIOS_FILE
 from distvideo.models.registry import probe_model
+from launch_groups import once, torchrun_case
 
-from background import FolderJob, run_program
+from background import run_program
 from conftest import REPO, max_abs_diff
-from launchers import format_output, run_launcher
+from launchers import format_output
 
 STEPS = 8
 BASE = dict(num_frames=9, height=48, width=48, num_inference_steps=STEPS, guidance_scale=5.0, seed=3)
@@ -101,38 +103,41 @@ BUILD_AND_CALIBRATE = (
 )
 
 
-def _launch_cases(folder: Path, environ: dict[str, str]) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
-    """Both torchrun launches, on one calibrated checkpoint of their own (built in a process of its own: the same
-    bytes and ratios as the module's)."""
+@once
+def _calibrated(folder: Path, environ: dict[str, str]) -> Path:
+    """One calibrated checkpoint for both launches (built in a process of its own: the same bytes and ratios as the
+    module's)."""
     model = folder / "tiny-wan-4l"
     build = run_program([sys.executable, "-c", BUILD_AND_CALIBRATE, str(model)], threading.Event(), 300, env=environ)
     assert build.returncode == 0, build.stderr
-    launches = {}
-    for case, (nproc, engines) in TORCHRUN_CASES.items():
-        out = folder / case
-        out.mkdir()
-        cases = {
-            "model": str(model),
-            "engines": [
-                {"name": n, "sp_size": sp, "cfg_parallel": cfg, "ring_size": ring} for n, sp, cfg, ring in engines
-            ],
-            "requests": REQUESTS,
-        }
-        (out / "cases.json").write_text(json.dumps(cases))
-        script = REPO / "tests" / "parallel_scripts" / "cache_cases.py"
-        argv = [str(script), str(out / "cases.json"), str(out)]
-        launches[case] = (out, run_launcher("torchrun", argv, nproc=nproc, timeout=300, base=environ))
-    return launches
+    return model
 
 
-# the launches, whose outcome is all the test checks: in the background (background.py)
-LAUNCHES = FolderJob("step caching under torchrun, 2 and 4 ranks", "cache-torchrun", _launch_cases)
-BACKGROUND_JOBS = {"cache_launch": LAUNCHES.hooks}
+def _argv(case: str, folder: Path, environ: dict[str, str]) -> list[str]:
+    cases = {
+        "model": str(_calibrated(folder, environ)),
+        "engines": [
+            {"name": n, "sp_size": sp, "cfg_parallel": cfg, "ring_size": ring}
+            for n, sp, cfg, ring in TORCHRUN_CASES[case][1]
+        ],
+        "requests": REQUESTS,
+    }
+    (folder / "cases.json").write_text(json.dumps(cases))
+    return [str(REPO / "tests" / "parallel_scripts" / "cache_cases.py"), str(folder / "cases.json"), str(folder)]
+
+
+# the launches' scripts, whose outcome is all the test checks: in the background, each in turn with other modules'
+# scripts of as many ranks (launch_groups.py)
+LAUNCHES = {
+    case: torchrun_case(f"step caching, {case}", nproc, functools.partial(_argv, case), timeout=300)
+    for case, (nproc, _) in TORCHRUN_CASES.items()
+}
+BACKGROUND_JOBS = {f"cache_launch[{case}]": launch.hooks for case, launch in LAUNCHES.items()}
 
 
 @pytest.fixture
 def cache_launch(case: str) -> tuple[Path, subprocess.CompletedProcess]:
-    return LAUNCHES.result()[1][case]
+    return LAUNCHES[case].result()
 
 
 @pytest.mark.launcher
@@ -143,7 +148,8 @@ def test_torchrun_every_rank_skips_the_same_steps(
 ) -> None:
     folder, proc = cache_launch
     assert proc.returncode == 0, format_output(proc)
-    ratios = json.loads((folder.parent / "tiny-wan-4l" / RATIOS_FILE).read_text())
+    launched_model = Path(json.loads((folder / "cases.json").read_text())["model"])
+    ratios = json.loads((launched_model / RATIOS_FILE).read_text())
     assert ratios == json.loads((model / RATIOS_FILE).read_text()), "the launch's checkpoint is not the module's"
     nproc, engines = TORCHRUN_CASES[case]
     for engine, *_ in engines:

@@ -5,7 +5,6 @@ stays usable; a collective_rpc past its timeout tears the mp workers down instea
 from __future__ import annotations
 
 import json
-import subprocess
 import threading
 from pathlib import Path
 
@@ -15,10 +14,10 @@ import pytest
 from distvideo import GenerationCancelled, GenerationTimeout, VideoGenerator
 from distvideo.cli.main import main
 from distvideo.pipelines.control import StepControl
+from launch_groups import torchrun_case
 
-from background import FolderJob
 from conftest import REPO
-from launchers import format_output, run_launcher
+from launchers import format_output
 from ray_cluster import session_cluster  # noqa: F401 (the fixture ray_cluster)
 
 REQUEST = dict(num_frames=9, height=32, width=48, seed=1, save_video=False)
@@ -108,13 +107,12 @@ def test_a_bad_request_timeout_exits_2(value, capsys):
 
 
 # --- under a launcher --------------------------------------------------------------------------------------------------
-def _launch(folder: Path, environ: dict[str, str]) -> subprocess.CompletedProcess:
-    script = REPO / "tests" / "rank_scripts" / "stop_ranks.py"
-    return run_launcher("torchrun", [str(script), str(folder)], nproc=2, timeout=300, base=environ)
+def _argv(folder: Path, environ: dict[str, str]) -> list[str]:
+    return [str(REPO / "tests" / "rank_scripts" / "stop_ranks.py"), str(folder)]
 
 
 # a launch whose outcome is all the test checks: in the background (background.py)
-LAUNCH = FolderJob("stopping under torchrun", "stop-torchrun", _launch)
+LAUNCH = torchrun_case("stopping under torchrun", 2, _argv, timeout=300)
 BACKGROUND_JOBS = {"launched": LAUNCH.hooks}
 
 

@@ -13,10 +13,7 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 import subprocess
-import tempfile
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,10 +24,10 @@ from distvideo import VideoGenerator
 from distvideo.models.embedded import DEMO_MODEL_DIR, embedded_model_path
 from distvideo.testing.shapes import Caption, all_captions
 from distvideo.testing.video_check import check_video
+from launch_groups import torchrun_case
 
-from background import BackgroundJob
 from conftest import REPO, max_abs_diff
-from launchers import format_output, run_launcher
+from launchers import format_output
 
 REPORT = REPO / "scripts" / "demo_model_report.py"
 PASS_RATE = 0.9
@@ -114,31 +111,28 @@ class Launched:
     frames: list[np.ndarray | None]  # each caption's frames, as the report saved them (None: not saved)
 
 
-def _launch_sp2_cfg2(stopping: threading.Event, environ: dict[str, str]) -> Launched:
+def _sp2_cfg2_argv(folder: Path, environ: dict[str, str]) -> list[str]:
     """The report script itself, as a user runs it under a launcher (4 ranks: sp=2 x cfg=2), in a folder of its own."""
-    tmp = Path(tempfile.mkdtemp(prefix="distvideo-demo-torchrun-"))
-    try:
-        out = tmp / "results.json"
-        argv = [str(REPORT), "--model", str(DEMO_MODEL_DIR), "--executor", "external", "--sp-size", "2"]
-        argv += ["--cfg-parallel", "--json", str(out), "--frames", str(tmp)]
-        for caption in PARALLEL:
-            argv += ["--caption", caption.text]
-        proc = run_launcher("torchrun", argv, nproc=4, timeout=400, base=environ)
-        results = json.loads(out.read_text()) if out.is_file() else []
-        saved = [tmp / f"{i:03d}.npy" for i in range(len(PARALLEL))]
-        return Launched(proc, results, [np.load(p) if p.is_file() else None for p in saved])
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    argv = [str(REPORT), "--model", str(DEMO_MODEL_DIR), "--executor", "external", "--sp-size", "2"]
+    argv += ["--cfg-parallel", "--json", str(folder / "results.json"), "--frames", str(folder)]
+    for caption in PARALLEL:
+        argv += ["--caption", caption.text]
+    return argv
 
 
-# a 4-rank launch (18 s) whose outcome is all the test checks: in the background (background.py)
-LAUNCH = BackgroundJob("demo model, torchrun sp2 x cfg2", _launch_sp2_cfg2)
+# a 4-rank launch's script whose outcome is all the test checks: in the background, in turn with other modules'
+# scripts of 4 ranks (launch_groups.py)
+LAUNCH = torchrun_case("demo model, sp2 x cfg2", 4, _sp2_cfg2_argv, timeout=400)
 BACKGROUND_JOBS = {"launched_sp2_cfg2": LAUNCH.hooks}
 
 
 @pytest.fixture
 def launched_sp2_cfg2() -> Launched:
-    return LAUNCH.result()
+    folder, proc = LAUNCH.result()
+    out = folder / "results.json"
+    results = json.loads(out.read_text()) if out.is_file() else []
+    saved = [folder / f"{i:03d}.npy" for i in range(len(PARALLEL))]
+    return Launched(proc, results, [np.load(p) if p.is_file() else None for p in saved])
 
 
 @pytest.mark.slow

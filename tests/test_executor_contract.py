@@ -12,18 +12,17 @@ Each executor runs once per module (`runs`), whichever test asks first: every te
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from distvideo import VideoGenerator
+from launch_groups import torchrun_case
 
-from background import FolderJob
 from conftest import REPO, max_abs_diff
 from contract_checks import PROMPT, REQUEST, expected_failure_text, observe, thread_ids
-from launchers import format_output, run_launcher
+from launchers import format_output
 from processes import wait_gone
 from ray_cluster import leftovers, session_cluster  # noqa: F401 (the fixture ray_cluster)
 
@@ -43,13 +42,12 @@ def run_in_process(executor: str, world: int):
     return [obs], frames
 
 
-def _launch(folder: Path, environ: dict[str, str]) -> subprocess.CompletedProcess:
-    script = REPO / "tests" / "rank_scripts" / "contract_external.py"
-    return run_launcher("torchrun", [str(script), str(folder)], nproc=WORLD["external"], timeout=300, base=environ)
+def _argv(folder: Path, environ: dict[str, str]) -> list[str]:
+    return [str(REPO / "tests" / "rank_scripts" / "contract_external.py"), str(folder)]
 
 
 # the external executor's launch, whose outcome is all the tests check: in the background (background.py)
-EXTERNAL = FolderJob("the contract under torchrun", "contract-external", _launch)
+EXTERNAL = torchrun_case("the contract under torchrun", WORLD["external"], _argv, timeout=300)
 BACKGROUND_JOBS = {"runs[external]": EXTERNAL.hooks}
 
 

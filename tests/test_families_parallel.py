@@ -5,18 +5,16 @@ timesteps; an image missing on one node is refused on every rank before any deno
 each rank (the same bytes) gives the same frames.
 
 Two launches serve every check: 2 ranks (sp=2 and cfg=2 engines of every family, all alive in one launch) and 4
-ranks (sp=2 x cfg=2), one background job while the rest of the suite runs (tests/background.py).
+ranks (sp=2 x cfg=2), in the background while the rest of the suite runs, each script in turn with other modules'
+scripts of as many ranks in one torchrun launch (tests/launch_groups.py).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
-import tempfile
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +23,11 @@ import pytest
 
 from distvideo import VideoGenerator
 from family_checkpoints import family_checkpoint, max_abs_diff, test_image
+from launch_groups import LaunchCase, once, torchrun_case
 
-from background import BackgroundJob, run_program
+from background import run_program
 from conftest import REPO
-from launchers import format_output, run_launcher
+from launchers import format_output
 
 pytestmark = [pytest.mark.launcher, pytest.mark.slow]
 
@@ -77,7 +76,7 @@ def _kwargs(request: str, image: Path) -> dict[str, Any]:
     return {k: (str(image) if v == IMAGE else v) for k, v in REQUESTS[request][1].items()}
 
 
-def _launch(tmp: Path, models: dict[str, Path], image: Path, engines: list[tuple], nproc: int, base) -> dict:
+def _argv(folder: Path, models: dict[str, Path], image: Path, engines: list[tuple]) -> list[str]:
     cases = [
         {
             "name": name,
@@ -91,11 +90,14 @@ def _launch(tmp: Path, models: dict[str, Path], image: Path, engines: list[tuple
         }
         for name, family, sp, cfg, requests in engines
     ]
-    (tmp / "cases.json").write_text(json.dumps(cases))
-    argv = [str(SCRIPT), str(tmp / "cases.json"), str(tmp)]
-    proc = run_launcher("torchrun", argv, nproc=nproc, timeout=600, base=base)
+    (folder / "cases.json").write_text(json.dumps(cases))
+    return [str(SCRIPT), str(folder / "cases.json"), str(folder)]
+
+
+def _launched(case: LaunchCase) -> dict:
+    folder, proc = case.result()
     assert proc.returncode == 0, format_output(proc)
-    return {"dir": tmp, "report": json.loads((tmp / "report.json").read_text())}
+    return {"dir": folder, "report": json.loads((folder / "report.json").read_text())}
 
 
 # the session's checkpoints and test image (tests/family_checkpoints.py), built again in a process of their own: the
@@ -112,52 +114,36 @@ for family in sys.argv[2:]:
 """
 
 
-def _both_launches(stopping: threading.Event, environ: dict[str, str]) -> dict[str, Any]:
-    """The two launches, in a folder of their own with their own checkpoints and image."""
-    tmp = Path(tempfile.mkdtemp(prefix="distvideo-families-parallel-"))
-    try:
-        families = sorted({family for _, family, *_ in TWO_RANKS + FOUR_RANKS})
-        path = os.pathsep.join(filter(None, [str(REPO / "tests"), environ.get("PYTHONPATH")]))
-        build = run_program(
-            [sys.executable, "-c", BUILD, str(tmp), *families], stopping, 300, env={**environ, "PYTHONPATH": path}
-        )
-        assert build.returncode == 0, build.stderr
-        models, image = {family: tmp / family for family in families}, tmp / "image.png"
-        (tmp / "two").mkdir()
-        (tmp / "four").mkdir()
-        two = _launch(tmp / "two", models, image, TWO_RANKS, 2, environ)
-        return {
-            "tmp": tmp,
-            "two_ranks": two,
-            "four_ranks": _launch(tmp / "four", models, image, FOUR_RANKS, 4, environ),
-        }
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+@once
+def _built(folder: Path, environ: dict[str, str]) -> tuple[dict[str, Path], Path]:
+    """(family -> checkpoint, image), for both launches."""
+    families = sorted({family for _, family, *_ in TWO_RANKS + FOUR_RANKS})
+    path = os.pathsep.join(filter(None, [str(REPO / "tests"), environ.get("PYTHONPATH")]))
+    build = run_program(
+        [sys.executable, "-c", BUILD, str(folder), *families],
+        threading.Event(),
+        300,
+        env={**environ, "PYTHONPATH": path},
+    )
+    assert build.returncode == 0, build.stderr
+    return {family: folder / family for family in families}, folder / "image.png"
 
 
-# two launches (about 21 s) whose outcomes are all the tests check: in the background (background.py)
-LAUNCHES = BackgroundJob("every family under torchrun, 2 and 4 ranks", _both_launches)
-BACKGROUND_JOBS = {"launches": LAUNCHES.hooks}
+# two launches' scripts whose outcomes are all the tests check: in the background, each in turn with other modules'
+# scripts of as many ranks (launch_groups.py)
+TWO = torchrun_case("every family, 2 ranks", 2, lambda f, e: _argv(f, *_built(f, e), TWO_RANKS), timeout=600)
+FOUR = torchrun_case("every family, 4 ranks", 4, lambda f, e: _argv(f, *_built(f, e), FOUR_RANKS), timeout=600)
+BACKGROUND_JOBS = {"two_ranks": TWO.hooks, "four_ranks": FOUR.hooks}
 
 
 @pytest.fixture(scope="module")
-def launches() -> Iterator[dict[str, Any]]:
-    result = LAUNCHES.result()
-    try:
-        yield result
-    finally:
-        shutil.rmtree(result["tmp"], ignore_errors=True)
+def two_ranks() -> dict:
+    return _launched(TWO)
 
 
 @pytest.fixture(scope="module")
-def two_ranks(launches) -> dict:
-    return launches["two_ranks"]
-
-
-@pytest.fixture(scope="module")
-def four_ranks(launches) -> dict:
-    return launches["four_ranks"]
+def four_ranks() -> dict:
+    return _launched(FOUR)
 
 
 @pytest.fixture(scope="module")

@@ -32,8 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from distvideo import VideoGenerator
-
-from background import FolderJob
+from launch_groups import torchrun_case
 
 RECORDED = Path(__file__).parent / "data" / "frames_before_restructure.npz"
 PROMPT = "a lighthouse in a storm"
@@ -140,20 +139,19 @@ def test_sequence_parallel_frames_are_the_recorded_ones(test_checkpoint, recorde
 RESHAPING = Path(__file__).parent / "data" / "frames_before_reshaping.npz"
 
 
-def _launch_layouts(folder: Path, environ: dict[str, str]) -> subprocess.CompletedProcess:
-    """The torchrun launch, on a copy of the session's test checkpoint built in a process of its own."""
+def _layouts_argv(folder: Path, environ: dict[str, str]) -> list[str]:
+    """The torchrun launch's script, on a copy of the session's test checkpoint built in a process of its own."""
     from background import BUILD_CHECKPOINT, run_python
-    from launchers import run_launcher
 
     run_python(BUILD_CHECKPOINT, [str(folder / "ckpt")], environ)
     (folder / "out").mkdir()
     script = Path(__file__).parent / "rank_scripts" / "recorded_layouts.py"
-    argv = [str(script), str(folder / "ckpt"), str(folder / "out")]
-    return run_launcher("torchrun", argv, nproc=2, timeout=300, base=environ)
+    return [str(script), str(folder / "ckpt"), str(folder / "out")]
 
 
-# a launch whose outcome is all the test checks: in the background (background.py)
-LAYOUTS = FolderJob("the recorded layouts under torchrun", "recorded-layouts", _launch_layouts)
+# a launch whose outcome is all the test checks: in the background, in turn with other modules' scripts
+# (launch_groups.py)
+LAYOUTS = torchrun_case("the recorded layouts under torchrun", 2, _layouts_argv, timeout=300)
 BACKGROUND_JOBS = {"launched_layouts": LAYOUTS.hooks}
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -17,8 +18,9 @@ import numpy as np
 import pytest
 
 from distvideo import VideoGenerator
+from launch_groups import torchrun_case
 
-from background import FolderJob, run_program
+from background import run_program
 from conftest import REPO
 from launchers import format_output, run_launcher
 
@@ -61,9 +63,7 @@ def _kwargs(checkpoints: dict[str, Any], kind: str, request: dict[str, Any]) -> 
     return {**request, **({"image": str(checkpoints["image"])} if kind == "i2v" else {})}
 
 
-def _run(
-    launcher: str, tmp: Path, checkpoints: dict[str, Any], engines: list[tuple], base: dict[str, str] | None = None
-) -> dict[str, Any]:
+def _argv(launcher: str, tmp: Path, checkpoints: dict[str, Any], engines: list[tuple]) -> list[str]:
     cases = [
         {
             "name": name,
@@ -76,14 +76,21 @@ def _run(
         for name, kind, sp, cfg, request in engines
     ]
     (tmp / "cases.json").write_text(json.dumps(cases))
-    argv = [str(SCRIPT), str(tmp / "cases.json"), str(tmp)]
-    proc = run_launcher(launcher, argv, nproc=2, timeout=600, base=base)
+    return [str(SCRIPT), str(tmp / "cases.json"), str(tmp)]
+
+
+def _outcome(tmp: Path, proc: subprocess.CompletedProcess) -> dict[str, Any]:
     assert proc.returncode == 0, format_output(proc)
     return {"dir": tmp, "report": json.loads((tmp / "report.json").read_text())}
 
 
-def _torchrun_launch(folder: Path, environ: dict[str, str]) -> dict[str, Any]:
-    """The four engines under one torchrun, on checkpoints of its own (built in a process of its own: the same bytes
+def _run(launcher: str, tmp: Path, checkpoints: dict[str, Any], engines: list[tuple]) -> dict[str, Any]:
+    proc = run_launcher(launcher, _argv(launcher, tmp, checkpoints, engines), nproc=2, timeout=600)
+    return _outcome(tmp, proc)
+
+
+def _torchrun_argv(folder: Path, environ: dict[str, str]) -> list[str]:
+    """The four engines under torchrun, on checkpoints of their own (built in a process of its own: the same bytes
     as the module's, which the single-rank frames come from)."""
     code = "import sys, pathlib, test_hunyuan_launch as t; t.build_checkpoints(pathlib.Path(sys.argv[1]))"
     env = {**environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "tests"), environ.get("PYTHONPATH")]))}
@@ -91,17 +98,19 @@ def _torchrun_launch(folder: Path, environ: dict[str, str]) -> dict[str, Any]:
     assert build.returncode == 0, build.stderr
     checkpoints = {"t2v": folder / "t2v", "i2v": folder / "i2v", "image": folder / "image.png"}
     (folder / "launch").mkdir()
-    return _run("torchrun", folder / "launch", checkpoints, ENGINES, base=environ)
+    return _argv("torchrun", folder / "launch", checkpoints, ENGINES)
 
 
-# a launch whose outcome is all the tests check: in the background (background.py)
-TORCHRUN = FolderJob("HunyuanVideo 1.5 under torchrun", "hv15-torchrun", _torchrun_launch)
+# a launch's script whose outcome is all the tests check: in the background, in turn with other modules' scripts of
+# 2 ranks (launch_groups.py)
+TORCHRUN = torchrun_case("HunyuanVideo 1.5 under torchrun", 2, _torchrun_argv, timeout=600)
 BACKGROUND_JOBS = {"launch": TORCHRUN.hooks}
 
 
 @pytest.fixture(scope="module")
 def launch() -> dict[str, Any]:
-    return TORCHRUN.result()[1]
+    folder, proc = TORCHRUN.result()
+    return _outcome(folder / "launch", proc)
 
 
 @pytest.fixture(scope="module")

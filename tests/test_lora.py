@@ -8,7 +8,6 @@ distvideo.testing.lora_files. One inline generator serves most tests (loading on
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -26,10 +25,11 @@ from distvideo.lora.formats import diffusers_layer_name, parse_lora_state_dict
 from distvideo.lora.rank import describe, lora_state, transformer_digest
 from distvideo.media import write_video
 from distvideo.testing.lora_files import LAYOUTS, random_lora_layers, save_lora_file, wan_layer_name
+from launch_groups import torchrun_case
 
-from background import FolderJob, run_python
+from background import run_python
 from conftest import REPO, diffusers_frames, diffusers_pipeline, max_abs_diff
-from launchers import format_output, run_launcher
+from launchers import format_output
 
 # The helpers run on mp workers travel by value: the workers need not import this test module.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -571,16 +571,16 @@ WRITE_FILES = (
 )
 
 
-def _torchrun_launch(folder: Path, environ: dict[str, str]) -> subprocess.CompletedProcess:
+def _torchrun_argv(folder: Path, environ: dict[str, str]) -> list[str]:
     run_python(WRITE_FILES, [str(folder)], environ)
     (folder / "out").mkdir()
     script = REPO / "tests" / "rank_scripts" / "lora_ranks.py"
-    argv = [str(script), str(folder / "out"), str(folder / "a.safetensors"), str(folder / "b_wan.safetensors")]
-    return run_launcher("torchrun", argv, nproc=2, timeout=600, base=environ)
+    return [str(script), str(folder / "out"), str(folder / "a.safetensors"), str(folder / "b_wan.safetensors")]
 
 
-# a launch whose outcome is all the test checks: in the background (background.py)
-TORCHRUN = FolderJob("LoRA under torchrun", "lora-torchrun", _torchrun_launch)
+# a launch whose outcome is all the test checks: in the background, in turn with other modules' scripts
+# (launch_groups.py)
+TORCHRUN = torchrun_case("LoRA under torchrun", 2, _torchrun_argv, timeout=600)
 BACKGROUND_JOBS = {"torchrun_launch": TORCHRUN.hooks}
 
 

@@ -14,17 +14,16 @@ from __future__ import annotations
 import ast
 import json
 import math
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from distvideo.parallel.groups import mesh_dims, replica_dim
 from distvideo.parallel.layout import ParallelLayout
+from launch_groups import torchrun_case
 
-from background import FolderJob
 from conftest import REPO
-from launchers import format_output, run_launcher
+from launchers import format_output
 
 SRC = REPO / "src" / "distvideo"
 SCRIPT = REPO / "tests" / "parallel_scripts" / "mesh_groups.py"
@@ -185,14 +184,13 @@ LAYOUTS += [[2, 1, 4, 2], [1, 2, 4, 2], [1, 2, 4, 4], [1, 1, 8, 2]]  # USP: ...,
 WORLD = 8
 
 
-def _launch(folder: Path, environ: dict[str, str]) -> subprocess.CompletedProcess:
-    return run_launcher(
-        "torchrun", [str(SCRIPT), str(folder), json.dumps(LAYOUTS)], nproc=WORLD, timeout=300, base=environ
-    )
+def _argv(folder: Path, environ: dict[str, str]) -> list[str]:
+    return [str(SCRIPT), str(folder), json.dumps(LAYOUTS)]
 
 
-# a launch whose outcome is all the tests check: in the background (background.py)
-LAUNCH = FolderJob("the mesh groups of 8 ranks under torchrun", "mesh", _launch)
+# a launch's script whose outcome is all the tests check: in the background, in turn with other modules' scripts of
+# 8 ranks (launch_groups.py)
+LAUNCH = torchrun_case("the mesh groups of 8 ranks", WORLD, _argv, timeout=300)
 BACKGROUND_JOBS = {"launched": LAUNCH.hooks}
 
 

@@ -2,17 +2,14 @@
 
 Two launches serve every check: 2 ranks (sp=2 and cfg=2 engines on the embedded model and the 4-layer test
 checkpoint, all alive in one launch) and 4 ranks (sp=2 x cfg=2). Each rank script writes rank 0's frames and a
-report of the collectives; this process compares them with inline single-rank runs of the same requests. The launches
-run as one background job while the rest of the suite runs (tests/background.py).
+report of the collectives; this process compares them with inline single-rank runs of the same requests. The scripts
+run in the background while the rest of the suite runs, each in turn with other modules' scripts of as many ranks in one
+torchrun launch (tests/launch_groups.py).
 """
 
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +18,11 @@ import pytest
 
 from distvideo import VideoGenerator
 from distvideo.models.embedded import tiny_model_path
+from launch_groups import LaunchCase, once, torchrun_case
 
-from background import BUILD_CHECKPOINT, BackgroundJob, run_python
+from background import BUILD_CHECKPOINT, run_python
 from conftest import REPO, max_abs_diff
-from launchers import format_output, run_launcher
+from launchers import format_output
 
 pytestmark = [pytest.mark.launcher, pytest.mark.slow]
 
@@ -56,7 +54,7 @@ DECODE_CHECKS = [[1, 16, 2, 8, 6], [1, 16, 2, 7, 5]]
 TILING_CHECKS = [[1, 16, 2, 8, 8]]
 
 
-def _launch(tmp: Path, engines: list[tuple], nproc: int, models: dict[str, Path], decode_checks=(), base=None) -> dict:
+def _argv(folder: Path, engines: list[tuple], models: dict[str, Path], decode_checks=()) -> list[str]:
     cases = [
         {
             "name": name,
@@ -69,11 +67,14 @@ def _launch(tmp: Path, engines: list[tuple], nproc: int, models: dict[str, Path]
         }
         for i, (name, model, sp, cfg, requests) in enumerate(engines)
     ]
-    (tmp / "cases.json").write_text(json.dumps(cases))
-    argv = [str(SCRIPT), str(tmp / "cases.json"), str(tmp)]
-    proc = run_launcher("torchrun", argv, nproc=nproc, timeout=400, base=base)
+    (folder / "cases.json").write_text(json.dumps(cases))
+    return [str(SCRIPT), str(folder / "cases.json"), str(folder)]
+
+
+def _launched(case: LaunchCase) -> dict:
+    folder, proc = case.result()
     assert proc.returncode == 0, format_output(proc)
-    return {"dir": tmp, "report": json.loads((tmp / "report.json").read_text())}
+    return {"dir": folder, "report": json.loads((folder / "report.json").read_text())}
 
 
 @pytest.fixture(scope="module")
@@ -81,44 +82,31 @@ def models(tiny_model, test_checkpoint) -> dict[str, Path]:
     return {"embedded": tiny_model, "ckpt": test_checkpoint}
 
 
-def _both_launches(stopping: threading.Event, environ: dict[str, str]) -> dict[str, Any]:
-    """The two launches, in a folder of their own with their own copy of the test checkpoint (built in a process of
-    its own: the same bytes as the session's, which the single-rank frames come from)."""
-    tmp = Path(tempfile.mkdtemp(prefix="distvideo-parallel-torchrun-"))
-    try:
-        run_python(BUILD_CHECKPOINT, [str(tmp / "ckpt")], environ)
-        models = {"embedded": tiny_model_path(), "ckpt": tmp / "ckpt"}
-        (tmp / "two").mkdir()
-        (tmp / "four").mkdir()
-        two = _launch(tmp / "two", TWO_RANKS, 2, models, DECODE_CHECKS, base=environ)
-        return {"tmp": tmp, "two_ranks": two, "four_ranks": _launch(tmp / "four", FOUR_RANKS, 4, models, base=environ)}
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+@once
+def _models(folder: Path, environ: dict[str, str]) -> dict[str, Path]:
+    """The launches' own copy of the test checkpoint (built in a process of its own: the same bytes as the session's,
+    which the single-rank frames come from)."""
+    run_python(BUILD_CHECKPOINT, [str(folder / "ckpt")], environ)
+    return {"embedded": tiny_model_path(), "ckpt": folder / "ckpt"}
 
 
-# two launches (about 22 s) whose outcomes are all the tests check: in the background (background.py)
-LAUNCHES = BackgroundJob("parallel layouts under torchrun, 2 and 4 ranks", _both_launches)
-BACKGROUND_JOBS = {"launches": LAUNCHES.hooks}
+# two launches' scripts whose outcomes are all the tests check: in the background, each in turn with other modules'
+# scripts of as many ranks (launch_groups.py)
+TWO = torchrun_case(
+    "parallel layouts, 2 ranks", 2, lambda f, e: _argv(f, TWO_RANKS, _models(f, e), DECODE_CHECKS), timeout=400
+)
+FOUR = torchrun_case("parallel layouts, 4 ranks", 4, lambda f, e: _argv(f, FOUR_RANKS, _models(f, e)), timeout=400)
+BACKGROUND_JOBS = {"two_ranks": TWO.hooks, "four_ranks": FOUR.hooks}
 
 
 @pytest.fixture(scope="module")
-def launches() -> Iterator[dict[str, Any]]:
-    result = LAUNCHES.result()
-    try:
-        yield result
-    finally:
-        shutil.rmtree(result["tmp"], ignore_errors=True)
+def two_ranks() -> dict:
+    return _launched(TWO)
 
 
 @pytest.fixture(scope="module")
-def two_ranks(launches) -> dict:
-    return launches["two_ranks"]
-
-
-@pytest.fixture(scope="module")
-def four_ranks(launches) -> dict:
-    return launches["four_ranks"]
+def four_ranks() -> dict:
+    return _launched(FOUR)
 
 
 @pytest.fixture(scope="module")

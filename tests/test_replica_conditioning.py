@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -19,9 +18,10 @@ import pytest
 
 from distvideo.cli.main import main
 from family_checkpoints import SEEDS, family_checkpoint, test_image
+from launch_groups import torchrun_case
 
-from background import FolderJob, run_program
-from launchers import format_output, run_launcher
+from background import run_program
+from launchers import format_output
 
 pytestmark = pytest.mark.slow
 
@@ -104,8 +104,8 @@ BUILD = (
 )
 
 
-def _launch(folder: Path, environ: dict[str, str]) -> subprocess.CompletedProcess:
-    """The torchrun launch, on a checkpoint and images of its own (built in a process of its own: the same bytes as
+def _argv(folder: Path, environ: dict[str, str]) -> list[str]:
+    """The torchrun launch's command, on a checkpoint and images of its own (built in a process of its own: the same bytes as
     the session's, family_checkpoints.py, which the single runs come from)."""
     seeds = [str(seed) for seed in IMAGE_SEEDS]
     build = run_program(
@@ -115,13 +115,12 @@ def _launch(folder: Path, environ: dict[str, str]) -> subprocess.CompletedProces
     prompts = _items(folder, [folder / f"image-{seed}.png" for seed in IMAGE_SEEDS])
     argv = ["-m", "distvideo", "generate", "--model", str(folder / "model"), "--prompts", str(prompts)]
     flags = [*FAMILIES["wan21_i2v"], "--no-progress", "--replicas", "2"]
-    return run_launcher(
-        "torchrun", [*argv, "--output", str(folder / "out"), *flags], nproc=2, timeout=300, base=environ
-    )
+    return [*argv, "--output", str(folder / "out"), *flags]
 
 
-# a launch whose outcome is all the test checks: in the background (background.py)
-LAUNCH = FolderJob("replicas' image conditioning under torchrun", "replica-images", _launch)
+# a launch whose outcome is all the test checks: in the background, in turn with other modules' scripts of 2 ranks
+# (launch_groups.py)
+LAUNCH = torchrun_case("replicas' image conditioning under torchrun", 2, _argv, timeout=300)
 BACKGROUND_JOBS = {"launched": LAUNCH.hooks}
 
 

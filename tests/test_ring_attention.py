@@ -10,10 +10,7 @@ tiny and steps 2: 8 gloo ranks share 2 cores here.
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
-import threading
-from collections.abc import Iterator
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +24,7 @@ from distvideo.models.embedded import tiny_model_path
 from distvideo.parallel.ring import merge_partials, real_keys
 from distvideo.testing.checkpoints import build_tiny_wan
 from family_checkpoints import family_checkpoint, test_image
+from launch_groups import torchrun_case
 from test_hunyuan import NEGATIVE as HUNYUAN_NEGATIVE
 from test_hunyuan import PROMPT as HUNYUAN_PROMPT
 from test_hunyuan import REQUEST as HUNYUAN_REQUEST
@@ -34,7 +32,6 @@ from test_hunyuan import hunyuan_checkpoint
 from test_hunyuan_i2v import REQUEST as HUNYUAN_I2V_REQUEST
 from test_hunyuan_i2v import hunyuan_i2v_checkpoint
 
-from background import BackgroundJob
 from conftest import REPO, max_abs_diff
 from launchers import format_output, run_launcher
 
@@ -134,16 +131,7 @@ def single_rank(models, image) -> dict[tuple[str, str], np.ndarray]:
     return frames
 
 
-def _launch(
-    tmp: Path,
-    engines: list[tuple],
-    nproc: int,
-    models: dict[str, Path],
-    image: str,
-    launcher: str,
-    nodes: int = 1,
-    base: dict[str, str] | None = None,
-) -> dict:
+def _argv(tmp: Path, engines: list[tuple], models: dict[str, Path], image: str) -> list[str]:
     cases = [
         {
             "name": name,
@@ -157,10 +145,19 @@ def _launch(
         for name, model, request, sp, cfg, ulysses, ring, _ in engines
     ]
     (tmp / "cases.json").write_text(json.dumps(cases))
-    argv = [str(SCRIPT), str(tmp / "cases.json"), str(tmp)]
-    proc = run_launcher(launcher, argv, nproc=nproc, nodes=nodes, timeout=400, base=base)
+    return [str(SCRIPT), str(tmp / "cases.json"), str(tmp)]
+
+
+def _report(tmp: Path, proc: subprocess.CompletedProcess) -> dict:
     assert proc.returncode == 0, format_output(proc)
     return json.loads((tmp / "report.json").read_text())
+
+
+def _launch(
+    tmp: Path, engines: list[tuple], nproc: int, models: dict[str, Path], image: str, launcher: str, nodes: int = 1
+) -> dict:
+    argv = _argv(tmp, engines, models, image)
+    return _report(tmp, run_launcher(launcher, argv, nproc=nproc, nodes=nodes, timeout=400))
 
 
 def _check(tmp: Path, report: dict, engines: list[tuple], single_rank: dict) -> None:
@@ -188,28 +185,18 @@ def test_usp_layouts_on_four_srun_ranks_over_two_nodes_match_single_rank(tmp_pat
     _check(tmp_path, report, FOUR_RANKS, single_rank)
 
 
-def _launch_eight_ranks(stopping: threading.Event, environ: dict[str, str]) -> tuple[Path, dict]:
-    """The 8-rank launch (the embedded model only, no image), in a folder of its own that the fixture removes."""
-    tmp = Path(tempfile.mkdtemp(prefix="distvideo-ring8-"))
-    try:
-        return tmp, _launch(tmp, EIGHT_RANKS, 8, {"embedded": tiny_model_path()}, "", "torchrun", base=environ)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-# 8 ranks on 2 cores (25 s) whose outcome is all the test checks: in the background (background.py)
-EIGHT = BackgroundJob("ring: 8 ranks under torchrun", _launch_eight_ranks)
+# 8 ranks on 2 cores (25 s) whose outcome is all the test checks (the embedded model only, no image): in the
+# background, in turn with other modules' scripts of 8 ranks (launch_groups.py)
+EIGHT = torchrun_case(
+    "ring: 8 ranks", 8, lambda folder, environ: _argv(folder, EIGHT_RANKS, {"embedded": tiny_model_path()}, ""), 400
+)
 BACKGROUND_JOBS = {"eight_ranks": EIGHT.hooks}
 
 
 @pytest.fixture
-def eight_ranks() -> Iterator[tuple[Path, dict]]:
-    tmp, report = EIGHT.result()
-    try:
-        yield tmp, report
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+def eight_ranks() -> tuple[Path, dict]:
+    folder, proc = EIGHT.result()
+    return folder, _report(folder, proc)
 
 
 @pytest.mark.launcher
