@@ -116,7 +116,7 @@ print(json.dumps({"measured_mb": peak - before, "estimate_mb": estimate}))
 """
 
 
-ESTIMATED = {"base16": ("benchmark", (33, 256, 384)), "base4": ("embedded", (9, 768, 768))}
+ESTIMATED = {"base16": ("benchmark", (21, 256, 320)), "base4": ("embedded", (9, 768, 768))}
 BUILD_BENCHMARK = (
     "import sys; from distvideo.testing.checkpoints import build_benchmark_checkpoint as b; b(sys.argv[1])"
 )
