@@ -6,7 +6,8 @@ A launched rank spends about 5 of its 6 CPU-seconds importing torch, diffusers a
 machine, whose suite is CPU-bound, every launch folded into another saves N times that. What a test sees is what a
 launch of its own gave it: ``(folder, CompletedProcess)``, the script's exit status (the highest of its ranks'), and
 its output and errors, rank by rank. Only launches that need nothing of their own qualify: no environment variable
-(torch and the libraries read some once, at import), no other launcher, no failure meant to end the process.
+(torch and the libraries read some once, at import), no other launcher, no failure meant to end the process, and no
+figure of the whole process (a peak resident memory is the process's high-water mark, which an earlier script sets).
 
 Use, in a test module::
 
