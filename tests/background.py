@@ -166,6 +166,20 @@ def run_python(
     return proc
 
 
+def in_a_process(module: str, function: str, timeout: float = 600) -> Callable[[Path, dict[str, str]], Any]:
+    """A FolderJob's work: ``module.function(folder)`` (a test module's, imported from the tests folder) in a process
+    of its own, which returns its CompletedProcess; for work that must not share this process (a cold compile, a
+    process's own figures)."""
+
+    def work(folder: Path, environ: dict[str, str]) -> subprocess.CompletedProcess[str]:
+        path = os.pathsep.join(filter(None, [str(Path(__file__).parent), environ.get("PYTHONPATH")]))
+        code = f"import sys, pathlib, {module}; {module}.{function}(pathlib.Path(sys.argv[1]))"
+        cmd = [sys.executable, "-c", code, str(folder)]
+        return run_program(cmd, threading.Event(), timeout, env={**environ, "PYTHONPATH": path})
+
+    return work
+
+
 #: `run_python(BUILD_CHECKPOINT, [folder], environ)`: the session's test_checkpoint (conftest.py), the same bytes
 BUILD_CHECKPOINT = "import sys; from distvideo.testing.checkpoints import build_test_checkpoint as b; b(sys.argv[1])"
 

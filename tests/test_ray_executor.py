@@ -20,6 +20,7 @@ import threading
 import time
 from pathlib import Path
 from subprocess import CompletedProcess
+from typing import Any
 
 import numpy as np
 import pytest
@@ -29,7 +30,7 @@ from distvideo import VideoGenerator
 from distvideo.errors import ConfigError, WorkerDiedError
 from distvideo.executors.ray_placement import rank_order, rendezvous_kind
 
-from background import BackgroundJob, run_program
+from background import BackgroundJob, FolderJob, popen, run_program
 from conftest import REPO, max_abs_diff
 from contract_checks import PROMPT, REQUEST
 from launchers import console_script, free_port
@@ -145,44 +146,55 @@ def test_too_few_resources_and_unreachable_addresses_fail_at_once(ray_cluster):
     assert time.monotonic() - started < 30
 
 
-def test_joins_the_cluster_ray_start_made(tmp_path):
-    """docs/launching.md's recipe: `ray start --head`, then `distvideo generate --executor ray` with no address joins
-    that cluster. `ray start` turns on token authentication, which Ray applies only to a cluster it finds itself:
-    joining the resolved address instead failed with "Failed to connect to Ray cluster". The cluster is a process
-    group of its own (`--block`), killed as a group: `ray stop` would stop the session's cluster too."""
-    recorded = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
-    before = recorded.read_text() if recorded.exists() else None
+def _ray_start_then_generate(folder: Path, environ: dict[str, str]) -> dict[str, Any]:
+    """`ray start --head` with a RAY_TMPDIR of its own (where it records its address, which no other test reads or
+    writes), then two `distvideo generate --executor ray` with no address. The cluster is a process group of its own
+    (`--block`), killed as a group: on SIGTERM `ray start` takes 30 s to stop, and `ray stop` would stop every cluster
+    of this machine."""
+    ray_tmp = Path(tempfile.mkdtemp(prefix="dvray-", dir="/tmp"))  # short: Ray's socket paths are limited
+    env = {k: v for k, v in environ.items() if not k.startswith("RAY_")}  # RAY_ADDRESS, RAY_AUTH_MODE among them
+    env.update(RAY_TMPDIR=str(ray_tmp), RAY_USAGE_STATS_ENABLED="0", DISTVIDEO_NO_PROGRESS="1")
+    recorded = ray_tmp / "ray" / "ray_current_cluster"
     port = free_port()
     ray_cli = Path(sys.executable).with_name("ray")
-    head = subprocess.Popen(
-        [str(ray_cli), "start", "--head", "--block", f"--port={port}", "--num-cpus=2", "--include-dashboard=false"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
-    )
+    start = [str(ray_cli), "start", "--head", "--block", f"--port={port}", "--num-cpus=2", "--include-dashboard=false"]
+    with open(folder / "ray-start.log", "w") as log:
+        head = popen(start, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     try:
         deadline = time.monotonic() + 60
         while not (recorded.exists() and recorded.read_text().strip().endswith(f":{port}")):
-            assert head.poll() is None and time.monotonic() < deadline, "ray start did not come up"
+            if head.poll() is not None or time.monotonic() > deadline:
+                return {"started": False, "log": (folder / "ray-start.log").read_text()}
             time.sleep(0.2)
-        env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
         small = ["--num-frames", "5", "--height", "32", "--width", "48", "--steps", "2", "--no-progress"]
-        proc = _cli(["generate", "--prompt", "x", "--executor", "ray", "--num-gpus", "3", *small], env=env)
-        assert proc.returncode == 2 and "it has CPU=2" in proc.stderr, proc.stderr  # that cluster's 2 CPUs, at once
-        out = tmp_path / "kite.mp4"
-        proc = _cli(["generate", "--prompt", "a red kite", "--executor", "ray", "--num-gpus", "2", *small,
-                     "--output", str(out)], env=env)  # fmt: skip
-        assert proc.returncode == 0 and out.stat().st_size > 0, proc.stderr
-    finally:  # the whole group at once (GCS, raylet, agents, workers): on SIGTERM `ray start` takes 30 s to stop
+        cli = [console_script("distvideo"), "generate", "--executor", "ray", *small]
+        too_many = run_program([*cli, "--prompt", "x", "--num-gpus", "3"], threading.Event(), 300, env=env, cwd=REPO)
+        out = folder / "kite.mp4"
+        argv = [*cli, "--prompt", "a red kite", "--num-gpus", "2", "--output", str(out)]
+        kite = run_program(argv, threading.Event(), 300, env=env, cwd=REPO)
+        return {"started": True, "too_many": too_many, "kite": kite, "video": out}
+    finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(head.pid, signal.SIGKILL)
         head.wait()
-        if before is None:
-            recorded.unlink(missing_ok=True)
-        else:
-            recorded.write_text(before)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+# a cluster of its own and two programs whose outcome is all the test checks: in the background (background.py)
+RAY_START = FolderJob("ray start, then generate with no address", "ray-start", _ray_start_then_generate)
+BACKGROUND_JOBS["ray_start_run"] = RAY_START.hooks
+ray_start_run = RAY_START.fixture("ray_start_run")
+
+
+def test_joins_the_cluster_ray_start_made(ray_start_run):
+    """docs/launching.md's recipe: `ray start --head`, then `distvideo generate --executor ray` with no address joins
+    that cluster. `ray start` turns on token authentication, which Ray applies only to a cluster it finds itself:
+    joining the resolved address instead failed with "Failed to connect to Ray cluster"."""
+    _, run = ray_start_run
+    assert run["started"], f"ray start did not come up:\n{run['log']}"
+    too_many, kite = run["too_many"], run["kite"]
+    assert too_many.returncode == 2 and "it has CPU=2" in too_many.stderr, too_many.stderr  # that cluster's 2 CPUs
+    assert kite.returncode == 0 and run["video"].stat().st_size > 0, kite.stderr
 
 
 def test_rank_order_puts_the_driver_node_first_grouped_by_node():

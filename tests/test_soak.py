@@ -13,8 +13,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import subprocess
-import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -24,7 +22,7 @@ import pytest
 
 from distvideo import VideoGenerator
 
-from background import FolderJob, run_program
+from background import FolderJob, in_a_process
 
 pytestmark = pytest.mark.slow
 
@@ -74,6 +72,7 @@ def run_soaks(folder: Path) -> None:
     from distvideo.lora.rank import transformer_digest
     from distvideo.testing.lora_files import build_random_lora
 
+    os.environ["DISTVIDEO_NUM_THREADS"] = "1"  # steadier on a shared 2-core machine (this process is the soak's own)
     report: dict[str, dict] = {}
     videos = folder / "videos"
     videos.mkdir()
@@ -104,18 +103,9 @@ def run_soaks(folder: Path) -> None:
     (folder / "report.json").write_text(json.dumps(report))
 
 
-def _soaks(folder: Path, environ: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    """`run_soaks` in a process of its own, with one intra-op thread (steadier on a shared 2-core machine): its
-    threads and descriptors are the generator's alone, whatever this process (pytest, the background jobs' pipes and
-    threads) holds meanwhile."""
-    path = os.pathsep.join(filter(None, [str(Path(__file__).parent), environ.get("PYTHONPATH")]))
-    env = {**environ, "PYTHONPATH": path, "DISTVIDEO_NUM_THREADS": "1"}
-    code = "import sys, pathlib, test_soak; test_soak.run_soaks(pathlib.Path(sys.argv[1]))"
-    return run_program([sys.executable, "-c", code, str(folder)], threading.Event(), 600, env=env)
-
-
-# a process whose figures are all the tests check: in the background (background.py)
-SOAKS = FolderJob("the soaks: 200 generations, 50 LoRA cycles", "soak", _soaks)
+# a process whose figures are all the tests check, its threads and descriptors the generator's alone (whatever this
+# process, pytest with the background jobs' pipes and threads, holds meanwhile): in the background (background.py)
+SOAKS = FolderJob("the soaks: 200 generations, 50 LoRA cycles", "soak", in_a_process("test_soak", "run_soaks"))
 BACKGROUND_JOBS = {"soaked": SOAKS.hooks}
 
 
