@@ -157,13 +157,18 @@ def _launch(cases: list[LaunchCase], nproc: int, folder: Path, environ: dict[str
     if not plan:
         return outcomes
     (folder / "plan.json").write_text(
-        json.dumps([{"name": case.name, "argv": argv, "logs": str(logs)} for case, _, logs, argv in plan])
+        json.dumps(
+            [
+                {"name": case.name, "argv": argv, "logs": str(logs), "timeout": case.timeout}
+                for case, _, logs, argv in plan
+            ]
+        )
     )
     launch = run_launcher(
         "torchrun",
         [str(IN_TURN), str(folder / "plan.json")],
         nproc=nproc,
-        timeout=sum(case.timeout for case, *_ in plan),
+        timeout=sum(case.timeout for case, *_ in plan) + 60,  # a script past its own timeout ends the launch first
         base=environ,
     )
     for case, own, logs, argv in plan:

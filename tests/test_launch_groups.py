@@ -1,6 +1,7 @@
 """tests/launch_groups.py: several modules' scripts in one torchrun launch, each seeing what a launch of its own would
-have given it (its exit status, its output and errors), in the same rank processes; a case asked for after its
-group's launch began gets a launch of its own."""
+have given it (its exit status, its output and errors), in the same rank processes; a script past its timeout ends the
+launch with every thread's stack in its errors; a case asked for after its group's launch began gets a launch of its
+own."""
 
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ if kind == "exits" and rank == 1:
     sys.exit(3)
 if kind == "raises":
     raise ValueError(f"planted on rank {rank}")
+if kind == "hangs":
+    import time
+    time.sleep(600)
 """
 
 
@@ -41,7 +45,8 @@ def _pids(folder: Path) -> list[int]:
 
 def test_cases_run_in_turn_in_one_launch_each_with_its_own_outcome():
     group = LaunchGroup(2)
-    cases = {kind: group.case(kind, _script(kind), timeout=60) for kind in ("writes", "exits", "raises", "unprepared")}
+    kinds = ("writes", "exits", "raises", "unprepared", "hangs")  # a case past its timeout ends the launch: the last
+    cases = {kind: group.case(kind, _script(kind), timeout=3 if kind == "hangs" else 60) for kind in kinds}
     late = group.case("late", _script("late"), timeout=60)
     try:
         for case in cases.values():
@@ -63,6 +68,9 @@ def test_cases_run_in_turn_in_one_launch_each_with_its_own_outcome():
 
         with pytest.raises(RuntimeError, match="could not be prepared"):
             cases["unprepared"].result()
+
+        _, proc = cases["hangs"].result()  # every thread's stack in its errors, and the launch ended
+        assert proc.returncode != 0 and "Timeout (0:00:03)!" in proc.stderr and "in <module>" in proc.stderr
 
         folder, proc = late.result()  # not wanted when the launch began: a launch of its own
         assert proc.returncode == 0 and "late on rank 1" in proc.stdout, proc.stderr

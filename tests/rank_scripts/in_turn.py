@@ -4,17 +4,20 @@ and transformers once for all of them (about 5 CPU-seconds a rank).
 
 usage: in_turn.py PLAN_JSON
 
-PLAN_JSON: a list of {"name", "argv": [SCRIPT, *ARGS] or ["-m", MODULE, *ARGS], "logs": FOLDER}. For each entry in
+PLAN_JSON: a list of {"name", "argv": [SCRIPT, *ARGS] or ["-m", MODULE, *ARGS], "logs": FOLDER, "timeout": SECONDS}. For each entry in
 turn every rank runs SCRIPT (or MODULE) as __main__, with sys.argv and sys.path[0] as ``python`` would set them (the
 script's folder; for a module, the working directory); its standard output and error (the
 descriptors, so the libraries' own writes too) go to FOLDER/rank<R>.out and .err, and FOLDER/rank<R>.rc gets its exit
-status: SystemExit's code, 1 for an exception (its traceback in .err), else 0. A process group the script left
+status: SystemExit's code, 1 for an exception (its traceback in .err), else 0. A script still running after its
+timeout ends the process, every thread's traceback in its .err (faulthandler), and so the launch. A process group the
+script left
 initialized is destroyed before the next entry, and what it replaced in torch.distributed (run_cases.py counts
 all_to_all_single calls through a wrapper of its own) is put back, so every script starts as in a process of its own.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import runpy
@@ -25,7 +28,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 
-def run(argv: list[str], logs: Path, rank: int) -> int:
+def run(argv: list[str], logs: Path, rank: int, timeout: float) -> int:
     saved_argv, saved_path, saved_dist = sys.argv, sys.path[0], dict(vars(dist))
     sys.stdout.flush()
     sys.stderr.flush()
@@ -33,6 +36,7 @@ def run(argv: list[str], logs: Path, rank: int) -> int:
     with open(logs / f"rank{rank}.out", "w") as out, open(logs / f"rank{rank}.err", "w") as err:
         os.dup2(out.fileno(), 1)
         os.dup2(err.fileno(), 2)
+        faulthandler.dump_traceback_later(timeout, exit=True)  # to descriptor 2: this script's .err
         try:
             if argv[0] == "-m":
                 sys.argv = [argv[1], *argv[2:]]  # run_module puts the module's file first, as python -m does
@@ -53,6 +57,7 @@ def run(argv: list[str], logs: Path, rank: int) -> int:
             traceback.print_exc()
             code = 1
         finally:
+            faulthandler.cancel_dump_traceback_later()
             sys.stdout.flush()
             sys.stderr.flush()
             os.dup2(saved_fds[0], 1)
@@ -72,7 +77,7 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     for entry in json.loads(Path(sys.argv[1]).read_text()):
         logs = Path(entry["logs"])
-        code = run(entry["argv"], logs, rank)
+        code = run(entry["argv"], logs, rank, entry["timeout"])
         (logs / f"rank{rank}.rc").write_text(str(code))
         print(f"in_turn: rank {rank}: {entry['name']} exited {code}", flush=True)
 
