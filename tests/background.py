@@ -5,10 +5,11 @@ single-threaded phases of other tests leave idle, does their work.
 A module names them in BACKGROUND_JOBS, fixture name -> (start, stop), that is ``{"name": JOB.hooks}`` (conftest.py
 calls `start` when collection ends for a collected test that uses the fixture, or with "name[id]" one whose parameter
 id has that part; and `stop` at the session's end). The jobs run one after another, in the order they were started,
-in one daemon thread, and every program they start runs at nice 19: never two at once, and only on what the tests in
-the foreground leave idle. The fixture (``name = JOB.fixture("name")``, or one of the module's own) calls `result()`:
-a job not yet begun is run there and then (so a test that comes first, or runs on its own, needs nothing else); one
-under way is waited for. A job only computes: it returns what the test checks, and the test asserts and prints its
+in one daemon thread, and every program they start runs at nice 19: only on what the tests in the foreground leave
+idle. The fixture (``name = JOB.fixture("name")``, or one of the module's own) calls `result()`: a job not yet begun
+is run there and then (so a test that comes first, or runs on its own, needs nothing else); one under way is waited
+for, and meanwhile a second thread begins the next queued job, so the core the waiting test leaves idle works too
+(a cold compile or a single-process smoke run, claimed early, left one core idle for 20 to 40 s). A job only computes: it returns what the test checks, and the test asserts and prints its
 figures itself (output of the thread would land in whichever test is running). A job must not use pytest's fixtures
 (tmp_path, monkeypatch) or anything another test changes (the session's Ray cluster, the local Slurm, whose ranks
 slurmstepd starts, out of reach of nice): it makes its own temporary folder (FolderJob), builds what a session fixture
@@ -40,7 +41,9 @@ T = TypeVar("T")
 _lock = threading.Lock()
 _queue: queue.SimpleQueue[BackgroundJob] = queue.SimpleQueue()
 _worker: list[threading.Thread] = []
-_running = threading.Event()  # a job runs in the worker thread
+_running = threading.Event()  # a job runs in a background thread (the worker, or a helper while a test waits)
+_active = 0  # how many jobs run in background threads (under _pause)
+_helping = threading.Lock()  # held by the one helper thread there may be
 THREAD_NAME = "background-jobs"  # the worker's name; every thread of the background's is named "background-..."
 OUTPUT_THREAD_NAME = "background-output"  # a thread reading a job's program's output
 
@@ -91,6 +94,8 @@ class BackgroundJob(Generic[T]):
                 self._state = "running"
         if claimed:
             self._run()
+        elif not self._done.is_set() and _helping.acquire(blocking=False):
+            threading.Thread(target=_help_while_waiting, args=(self._done,), name=THREAD_NAME, daemon=True).start()
         self._done.wait()
         if self._error is not None:
             raise self._error
@@ -131,8 +136,11 @@ class BackgroundJob(Generic[T]):
                 self._state = "done"
             self._done.set()
             if in_worker:
+                global _active
                 with _pause:
-                    _running.clear()
+                    _active -= 1
+                    if not _active:
+                        _running.clear()
                     _pause.notify_all()
 
 
@@ -184,17 +192,39 @@ def in_a_process(module: str, function: str, timeout: float = 600) -> Callable[[
 BUILD_CHECKPOINT = "import sys; from distvideo.testing.checkpoints import build_test_checkpoint as b; b(sys.argv[1])"
 
 
+def _begin(job: BackgroundJob) -> bool:
+    """Claim a queued job for a background thread, once no pause holds (under _pause); False if a test claimed it."""
+    global _active
+    with _pause:
+        while _pauses:
+            _pause.wait()
+        claimed = job._claim_queued()
+        if claimed:
+            _active += 1
+            _running.set()
+    return claimed
+
+
 def _run_queue() -> None:
     while True:
         job = _queue.get()
-        with _pause:
-            while _pauses:
-                _pause.wait()
-            claimed = job._claim_queued()
-            if claimed:
-                _running.set()
-        if claimed:
+        if _begin(job):
             job._run()
+
+
+def _help_while_waiting(waited: threading.Event) -> None:
+    """While a test waits for a job under way: the next queued jobs, one after another, until the awaited job is done
+    (each one begun runs to its end)."""
+    try:
+        while not waited.is_set():
+            try:
+                job = _queue.get_nowait()
+            except queue.Empty:
+                return
+            if _begin(job):
+                job._run()
+    finally:
+        _helping.release()
 
 
 _pause = threading.Condition()
@@ -203,7 +233,7 @@ _pauses = 0
 
 @contextlib.contextmanager
 def paused() -> Iterator[None]:
-    """No background job runs inside: the one running is waited for, and none begins until the block ends (for a test
+    """No background job runs inside: those running are waited for, and none begins until the block ends (for a test
     that counts this process's threads and file descriptors, which a job's readers and pipes would change)."""
     global _pauses
     with _pause:

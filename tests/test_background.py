@@ -4,6 +4,7 @@ test comes first runs in the test itself, at the test's nice value; an exception
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 import threading
@@ -57,6 +58,37 @@ def test_no_job_begins_while_paused():
         # this file's order), but may not while paused
         assert job._state == "queued"
     job.result()
+
+
+WAITED_FOR = """
+import threading, time
+import background
+
+began = threading.Event()
+first = background.BackgroundJob("first", lambda stopping, environ: began.wait(20))
+second = background.BackgroundJob("second", lambda stopping, environ: began.set() or threading.current_thread().name)
+first.start()
+second.start()
+while first._state != "running":  # under way in the worker thread, the second queued behind it
+    time.sleep(0.01)
+print(first.result(), second.result())
+"""
+
+
+def test_while_a_test_waits_for_a_job_under_way_the_next_one_begins():
+    """A helper thread runs the queue's next job meanwhile (the first job returns whether the second began before
+    it ended: False after 20 s without the helper). In a process of its own, whose queue holds only these two."""
+    tests = str(Path(__file__).parent)
+    proc = subprocess.run(
+        [sys.executable, "-c", WAITED_FOR],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tests,
+        env={**os.environ, "PYTHONPATH": tests},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["True", "background-jobs"], proc.stdout
 
 
 def test_a_folder_job_works_in_a_folder_of_its_own_removed_when_stopped():
