@@ -20,6 +20,14 @@ os.environ.setdefault("DISTVIDEO_NO_PROGRESS", "1")
 # and 39 CPU-seconds with the pool, 14 s and 16 without). The kernels are the same either way.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
+# One intra-op thread per rank, in this process and every process it starts, unless the caller set it: a tiny model's
+# generation on 2 threads took 0.083 to 0.096 s and 0.165 to 0.190 CPU-seconds, on 1 thread 0.101 to 0.108 s and
+# 0.10 CPU-seconds (the second thread mostly spins in libgomp's wait), and the background jobs get the CPU the spinning
+# took. Every rank of the suite then runs the same thread count, at which byte identity across executors is promised
+# (docs/determinism.md). The tests of the thread policy itself remove the variable (test_external_launch.py's
+# THREAD_VARIABLES, test_mp_start.py).
+os.environ.setdefault("DISTVIDEO_NUM_THREADS", "1")
+
 REPO = Path(__file__).resolve().parent.parent
 
 # The suite's default model is the tiny random-weight one (fast; the recorded frames and the random LoRA files are

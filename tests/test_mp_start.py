@@ -48,6 +48,7 @@ def test_forked_workers_take_the_drivers_state_of_the_moment(tmp_path: Path, mon
         assert [s["mark"] for s in first.collective_rpc(state_of)] == [None, None]
 
     monkeypatch.setenv("DISTVIDEO_TEST_MARK", "set after the fork server started")
+    monkeypatch.delenv("DISTVIDEO_NUM_THREADS", raising=False)  # (conftest.py's) it would win over OMP_NUM_THREADS
     monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's thread count, which the fork server did not read
     monkeypatch.chdir(tmp_path)
     old_umask = os.umask(0o027)  # a umask other than the fork server's
