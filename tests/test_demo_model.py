@@ -26,6 +26,7 @@ from distvideo.testing.shapes import Caption, all_captions
 from distvideo.testing.video_check import check_video
 from launch_groups import torchrun_case
 
+from background import FolderJob, in_a_process
 from conftest import REPO, max_abs_diff
 from launchers import format_output
 
@@ -65,11 +66,27 @@ def _generate(gen: VideoGenerator, captions: list[Caption]) -> dict[str, np.ndar
     return {c.text: gen.generate(c.text, seed=SEED, save_video=False).frames for c in captions}
 
 
+def inline_frames_to(folder: Path) -> None:
+    """The inline run of every caption, in a process of its own (INLINE): FOLDER/frames.npz, caption -> frames."""
+    # named: the suite's DISTVIDEO_MODEL is the tiny model (conftest.py); a test below checks it is the default
+    with VideoGenerator.from_pretrained(DEMO_MODEL_DIR, executor="inline") as gen:
+        np.savez(folder / "frames.npz", **_generate(gen, CAPTIONS))  # type: ignore[arg-type]
+
+
+# 24 generations (about 13 s) whose frames are all the tests check: in the background, in a process of its own
+INLINE = FolderJob(
+    "the demo model inline, every caption", "demo-inline", in_a_process("test_demo_model", "inline_frames_to")
+)
+
+
 @pytest.fixture(scope="module")
 def inline_frames() -> dict[str, np.ndarray]:
-    # named: the suite's DISTVIDEO_MODEL is the tiny model (conftest.py); the next test checks it is the default
-    with VideoGenerator.from_pretrained(DEMO_MODEL_DIR, executor="inline") as gen:
-        return _generate(gen, CAPTIONS)
+    folder, proc = INLINE.result()
+    assert proc.returncode == 0, format_output(proc)
+    with np.load(folder / "frames.npz") as saved:
+        frames = {caption: saved[caption] for caption in saved.files}
+    assert list(frames) == [c.text for c in CAPTIONS]
+    return frames
 
 
 def test_the_default_model_is_the_trained_demo_model(monkeypatch) -> None:
@@ -123,7 +140,7 @@ def _sp2_cfg2_argv(folder: Path, environ: dict[str, str]) -> list[str]:
 # a 4-rank launch's script whose outcome is all the test checks: in the background, in turn with other modules'
 # scripts of 4 ranks (launch_groups.py)
 LAUNCH = torchrun_case("demo model, sp2 x cfg2", 4, _sp2_cfg2_argv, timeout=400)
-BACKGROUND_JOBS = {"launched_sp2_cfg2": LAUNCH.hooks}
+BACKGROUND_JOBS = {"launched_sp2_cfg2": LAUNCH.hooks, "inline_frames": INLINE.hooks}
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ import pytest
 from distvideo import VideoGenerator
 from launch_groups import torchrun_case
 
-from background import run_program
+from background import FolderJob, run_program
 from conftest import REPO
 from launchers import format_output, run_launcher
 
@@ -89,22 +89,37 @@ def _run(launcher: str, tmp: Path, checkpoints: dict[str, Any], engines: list[tu
     return _outcome(tmp, proc)
 
 
-def _torchrun_argv(folder: Path, environ: dict[str, str]) -> list[str]:
-    """The four engines under torchrun, on checkpoints of their own (built in a process of its own: the same bytes
-    as the module's, which the single-rank frames come from)."""
+def _built(folder: Path, environ: dict[str, str]) -> dict[str, Any]:
+    """The module's checkpoints in FOLDER, built in a process of its own (the same bytes as the module's, which the
+    single-rank frames come from); FOLDER/launch made for the launch's outputs."""
     code = "import sys, pathlib, test_hunyuan_launch as t; t.build_checkpoints(pathlib.Path(sys.argv[1]))"
     env = {**environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "tests"), environ.get("PYTHONPATH")]))}
     build = run_program([sys.executable, "-c", code, str(folder)], threading.Event(), 300, env=env)
     assert build.returncode == 0, build.stderr
-    checkpoints = {"t2v": folder / "t2v", "i2v": folder / "i2v", "image": folder / "image.png"}
     (folder / "launch").mkdir()
-    return _argv("torchrun", folder / "launch", checkpoints, ENGINES)
+    return {"t2v": folder / "t2v", "i2v": folder / "i2v", "image": folder / "image.png"}
+
+
+def _torchrun_argv(folder: Path, environ: dict[str, str]) -> list[str]:
+    """The four engines under torchrun, on checkpoints of their own."""
+    return _argv("torchrun", folder / "launch", _built(folder, environ), ENGINES)
+
+
+#: what srun and mpirun run: Ulysses on text-to-video, CFG parallelism on image-to-video
+OTHER_LAUNCHERS = [e for e in ENGINES if e[0] in ("t2v-sp2", "i2v-cfg2")]
+
+
+def _mpirun_launch(folder: Path, environ: dict[str, str]) -> subprocess.CompletedProcess:
+    argv = _argv("mpirun", folder / "launch", _built(folder, environ), OTHER_LAUNCHERS)
+    return run_launcher("mpirun", argv, nproc=2, timeout=600, base=environ)
 
 
 # a launch's script whose outcome is all the tests check: in the background, in turn with other modules' scripts of
 # 2 ranks (launch_groups.py)
 TORCHRUN = torchrun_case("HunyuanVideo 1.5 under torchrun", 2, _torchrun_argv, timeout=600)
-BACKGROUND_JOBS = {"launch": TORCHRUN.hooks}
+# mpirun's too, in a launch of its own; srun's in the test (a job never uses the session's Slurm)
+MPIRUN = FolderJob("HunyuanVideo 1.5 under mpirun", "hv15-mpirun", _mpirun_launch)
+BACKGROUND_JOBS = {"launch": TORCHRUN.hooks, "launched[mpirun]": MPIRUN.hooks}
 
 
 @pytest.fixture(scope="module")
@@ -151,15 +166,22 @@ def test_banded_decode_of_the_hunyuan_vae_is_exact(launch) -> None:
     assert all(c.get("halo_exchange", 0) > 0 and c.get("gather") == 1 for c in counts), counts
 
 
+@pytest.fixture
+def launched(launcher: str, tmp_path: Path, request: pytest.FixtureRequest) -> dict[str, Any]:
+    if launcher == "mpirun":
+        folder, proc = MPIRUN.result()
+        return _outcome(folder / "launch", proc)
+    return _run(launcher, tmp_path, request.getfixturevalue("checkpoints"), OTHER_LAUNCHERS)
+
+
 @pytest.mark.parametrize(
     "launcher", [pytest.param("srun", marks=pytest.mark.slurm), pytest.param("mpirun", marks=pytest.mark.mpi)]
 )
-def test_srun_and_mpirun_match_inline(tmp_path, checkpoints, inline, launcher) -> None:
+def test_srun_and_mpirun_match_inline(launched, inline, launcher) -> None:
     """The same program under Slurm's srun and Open MPI's mpirun: Ulysses on text-to-video, CFG parallelism on
     image-to-video, one launch each."""
-    engines = [e for e in ENGINES if e[0] in ("t2v-sp2", "i2v-cfg2")]
-    run = _run(launcher, tmp_path, checkpoints, engines)
-    for name, kind, *_ in engines:
+    run = launched
+    for name, kind, *_ in OTHER_LAUNCHERS:
         frames = np.load(run["dir"] / f"{name}-r.npy")
         assert int(np.abs(frames.astype(np.int16) - inline[kind].astype(np.int16)).max()) <= 2, (launcher, name)
         assert run["report"][f"{name}-r"]["has_frames"] == [True, False]
