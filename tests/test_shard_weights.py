@@ -7,7 +7,9 @@ before anything loads."""
 from __future__ import annotations
 
 import copy
+import json
 import sys
+from pathlib import Path
 
 import cloudpickle
 import numpy as np
@@ -19,6 +21,9 @@ from distvideo import VideoGenerator
 from distvideo.cli.main import main
 from distvideo.errors import ConfigError
 from distvideo.lora.sharded import shard_rows
+
+from background import FolderJob, in_a_process
+from launchers import format_output
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -49,20 +54,68 @@ def run(checkpoint, layout, shard):
         return frames, gen.collective_rpc(resident), plans, gen.collective_rpc(gathered)
 
 
+def both_runs(checkpoint, layout, shard) -> dict:
+    """The layout unsharded, then with `shard`: what the test checks, in JSON's types but the frames."""
+    whole, whole_resident, _, unsharded = run(checkpoint, layout, "none")
+    frames, shares, plans, estimate = run(checkpoint, layout, shard)
+    return {
+        "whole": whole,
+        "frames": frames,
+        "whole_resident": whole_resident,
+        "unsharded": [list(pair) for pair in unsharded],
+        "shares": shares,
+        "plans": plans,
+        "estimate": [list(pair) for pair in estimate],
+    }
+
+
+FOUR_RANKS = (dict(num_gpus=4, cfg_parallel=True, sp_size=2), "all")
+
+
+def four_ranks_to(folder: Path) -> None:
+    """FOUR_RANKS's runs (4 ranks on 2 cores, twice: about 24 s) in a process of its own (FOUR_RANKS_RUNS), on the
+    session's test checkpoint built here (the same bytes): FOLDER/frames.npz and FOLDER/report.json."""
+    from distvideo.testing.checkpoints import build_test_checkpoint
+
+    runs = both_runs(build_test_checkpoint(folder / "ckpt"), *FOUR_RANKS)
+    np.savez(folder / "frames.npz", whole=runs.pop("whole"), frames=runs.pop("frames"))
+    (folder / "report.json").write_text(json.dumps(runs))
+
+
+FOUR_RANKS_RUNS = FolderJob(
+    "sharded weights on 4 mp ranks", "shard4", in_a_process("test_shard_weights", "four_ranks_to")
+)
+BACKGROUND_JOBS = {"sharding_runs[cfg2xsp2]": FOUR_RANKS_RUNS.hooks}
+
+
+@pytest.fixture
+def sharding_runs(request: pytest.FixtureRequest, layout: dict, shard: str) -> dict:
+    if (layout, shard) != FOUR_RANKS:
+        return both_runs(request.getfixturevalue("test_checkpoint"), layout, shard)
+    folder, proc = FOUR_RANKS_RUNS.result()
+    assert proc.returncode == 0, format_output(proc)
+    with np.load(folder / "frames.npz") as saved:
+        return {**json.loads((folder / "report.json").read_text()), "whole": saved["whole"], "frames": saved["frames"]}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("layout", "shard", "sharded"),
     [
         (dict(num_gpus=2, cfg_parallel=False, sp_size=2), "transformer", ("transformer",)),
-        (dict(num_gpus=4, cfg_parallel=True, sp_size=2), "all", ("transformer", "text_encoder")),
+        (*FOUR_RANKS, ("transformer", "text_encoder")),
     ],
     ids=["sp2-transformer", "cfg2xsp2-all"],
 )
 def test_sharded_weights_give_the_unsharded_frames_with_a_share_of_the_weights_per_rank(
-    test_checkpoint, layout, shard, sharded
+    sharding_runs, layout, shard, sharded
 ):
-    whole, whole_resident, _, unsharded = run(test_checkpoint, layout, "none")
-    frames, shares, plans, estimate = run(test_checkpoint, layout, shard)
+    whole, whole_resident, unsharded = (
+        sharding_runs["whole"],
+        sharding_runs["whole_resident"],
+        sharding_runs["unsharded"],
+    )
+    frames, shares, plans, estimate = (sharding_runs[k] for k in ("frames", "shares", "plans", "estimate"))
     assert frames.dtype == np.uint8 and np.array_equal(frames, whole), "sharding changed the frames"
     ranks = layout["num_gpus"]
     for name in sharded:
