@@ -8,9 +8,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -18,6 +18,7 @@ import torch
 
 from distvideo import VideoGenerator
 
+from background import FolderJob, run_program
 from conftest import REPO
 
 SCRIPT = REPO / "scripts" / "train_demo_model.py"
@@ -31,13 +32,21 @@ def _load_script():
     return module
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> Path:
-    work = tmp_path_factory.mktemp("demo-train")
+def _train(work: Path, environ: dict[str, str]) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, str(SCRIPT), "all", "--work", str(work), "--threads", "1", "--vae-steps", "2"]
     cmd += ["--vae-frames", "5", "--vae-batch", "1", "--vae-deterministic", "--clips", "8", "--dit-steps", "2"]
     cmd += ["--dit-batch", "4"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    return run_program(cmd, threading.Event(), 300, env={**environ, "HF_HUB_OFFLINE": "1"})
+
+
+# a whole training run (about 8 s) whose files are all the tests read: in the background (background.py)
+TRAINING = FolderJob("the demo model's training, every stage in small", "demo-train", _train)
+BACKGROUND_JOBS = {"trained": TRAINING.hooks}
+
+
+@pytest.fixture(scope="module")
+def trained() -> Path:
+    work, proc = TRAINING.result()
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return work
 
