@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -10,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from background import FolderJob, in_a_process
+from launchers import format_output
 from serving_harness import start_server
 
 KEY = "fuzz-key-0123456789"
@@ -25,11 +28,11 @@ def schemathesis_command() -> str:
     return found
 
 
-@pytest.mark.slow
-def test_schemathesis_finds_no_server_error_and_no_undocumented_answer(tmp_path):
+def fuzz_to(folder: Path) -> None:
+    """schemathesis against a server, in a process of its own (FUZZ): FOLDER/outcome.json."""
     # tight limits keep every job the fuzzer manages to queue tiny; a small queue makes it meet 429 too
     limits = ["--max-frames", "5", "--max-pixels", "1024", "--max-steps", "1", "--max-queue", "2"]
-    with start_server(tmp_path, "inline", args=[*limits, "--max-body-bytes", "65536"], api_key=KEY) as server:
+    with start_server(folder / "serve", "inline", args=[*limits, "--max-body-bytes", "65536"], api_key=KEY) as server:
         cmd = [
             schemathesis_command(),
             "run",
@@ -57,9 +60,28 @@ def test_schemathesis_finds_no_server_error_and_no_undocumented_answer(tmp_path)
             "-H",
             f"Authorization: Bearer {KEY}",
         ]
-        proc = subprocess.run(  # in tmp_path: schemathesis keeps its files in the working directory
-            cmd, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL, cwd=tmp_path
+        proc = subprocess.run(  # in its own folder: schemathesis keeps its files in the working directory
+            cmd, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL, cwd=folder
         )
         health = server.http.get("/health").json()
-    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
-    assert health["status"] == "ok"  # and the server is still serving
+    outcome = {"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr, "health": health}
+    (folder / "outcome.json").write_text(json.dumps(outcome))
+
+
+# a whole fuzzing run against a server (about 11 s) whose outcome is all the test checks: in the background, in a
+# process of its own (its server runs at the job's nice 19; schemathesis waits up to 60 s for an answer)
+FUZZ = FolderJob("schemathesis against a served engine", "serve-fuzz", in_a_process("test_serving_fuzz", "fuzz_to"))
+BACKGROUND_JOBS = {"fuzzed": FUZZ.hooks}
+
+
+@pytest.fixture
+def fuzzed() -> dict:
+    folder, proc = FUZZ.result()
+    assert proc.returncode == 0, format_output(proc)
+    return json.loads((folder / "outcome.json").read_text())
+
+
+@pytest.mark.slow
+def test_schemathesis_finds_no_server_error_and_no_undocumented_answer(fuzzed):
+    assert fuzzed["returncode"] == 0, f"{fuzzed['stdout']}\n{fuzzed['stderr']}"
+    assert fuzzed["health"]["status"] == "ok"  # and the server is still serving
