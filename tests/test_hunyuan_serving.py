@@ -12,8 +12,9 @@ import pytest
 
 from distvideo import VideoGenerator
 from distvideo.batch import read_prompt_file
-from test_hunyuan_i2v import hunyuan_i2v_checkpoint
 
+from background import FolderJob, in_a_process
+from launchers import format_output
 from serving_harness import start_server
 
 pytestmark = pytest.mark.slow
@@ -30,18 +31,18 @@ ITEMS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return hunyuan_i2v_checkpoint(tmp_path_factory)
+def batch_and_serve_to(folder: Path) -> None:
+    """Everything the tests check, in a process of its own (OUTCOME), on the session's image-to-video checkpoint built
+    here (the same bytes): each item's single run (replica 0), then the items as a JSONL batch, on one mp engine of 2
+    replicas; then the first item served by `distvideo serve` (inline), its image uploaded. One thread per rank
+    (ONE_THREAD) on both. Writes FOLDER/outcome.json beside the videos."""
+    import os
 
-
-@pytest.fixture(scope="module")
-def runs(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Each item's single run (replica 0), then the items as a JSONL batch, on one mp engine of 2 replicas (one
-    thread per rank: ONE_THREAD)."""
     from distvideo.testing.families import write_test_image
+    from distvideo.testing.hunyuan import build_hunyuan_checkpoint
 
-    folder = tmp_path_factory.mktemp("hv15-batch")
+    os.environ.update(ONE_THREAD)  # the workers take the driver's environment when they start
+    model = build_hunyuan_checkpoint(folder / "hunyuan15-i2v", seed=22, image_to_video=True, target_size=64)
     images = {
         "wide.png": write_test_image(folder / "wide.png", width=40, height=28, seed=1),
         "tall.png": write_test_image(folder / "tall.png", width=28, height=40, seed=2),
@@ -49,47 +50,69 @@ def runs(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any
     items = [{**item, "image": str(images[item["image"]])} for item in ITEMS]
     jsonl = folder / "items.jsonl"
     jsonl.write_text("".join(json.dumps(item) + "\n" for item in items))
-    single = {}
-    with pytest.MonkeyPatch.context() as patch:
-        for name, value in ONE_THREAD.items():
-            patch.setenv(name, value)  # the workers take the driver's environment when they start
-        gen = VideoGenerator.from_pretrained(str(model), executor="mp", num_gpus=2, replicas=2)
-    with gen:
+    single = []
+    with VideoGenerator.from_pretrained(str(model), executor="mp", num_gpus=2, replicas=2) as gen:
         for index, item in enumerate(items):
             path = folder / f"single-{index}.mp4"
             fields = {k: v for k, v in item.items() if k != "prompt"}
             gen.generate(item["prompt"], output_path=str(path), **fields, **COMMON)
-            single[index] = path.read_bytes()
+            single.append(str(path))
         results = gen.generate_batch(read_prompt_file(jsonl), output_dir=folder / "out", **COMMON)
-    manifest = [json.loads(line) for line in (folder / "out" / "manifest.jsonl").read_text().splitlines()]
-    return {"items": items, "single": single, "results": results, "manifest": manifest}
-
-
-def test_a_jsonl_batch_over_two_replicas_writes_each_items_single_run(runs: dict[str, Any]) -> None:
-    results = runs["results"]
-    assert [(r.index, r.status) for r in results] == [(0, "done"), (1, "done")], [r.error for r in results]
-    assert {record["replica"] for record in runs["manifest"]} == {0, 1}, runs["manifest"]
-    assert runs["single"][0] != runs["single"][1]
-    for result in results:
-        assert Path(result.video_path).read_bytes() == runs["single"][result.index], result.index
-
-
-def test_a_served_image_to_video_job_is_the_single_runs_video(
-    model: Path, runs: dict[str, Any], tmp_path: Path
-) -> None:
-    item = runs["items"][0]
-    with start_server(tmp_path, "inline", args=["--model", str(model)], env=ONE_THREAD) as server:
+    item = items[0]
+    with start_server(folder / "serve", "inline", args=["--model", str(model)], env=ONE_THREAD) as server:
         fields = {"prompt": item["prompt"], "seed": str(item["seed"]), **{k: str(v) for k, v in COMMON.items()}}
         image = Path(item["image"])
-        response = server.http.post(
-            "/v1/videos",
-            data=fields,
-            files={"input_reference": (image.name, image.read_bytes(), "image/png")},
-        )
-        assert response.status_code == 200, response.text
-        video = server.wait(response.json()["id"])
-        assert video["status"] == "completed", video
-        assert video["size"] == "64x48"  # width x height: the image's bucket
-        content = server.http.get(f"/v1/videos/{video['id']}/content")
-    assert content.status_code == 200
-    assert content.content == runs["single"][0]
+        files = {"input_reference": (image.name, image.read_bytes(), "image/png")}
+        response = server.http.post("/v1/videos", data=fields, files=files)
+        video = server.wait(response.json()["id"]) if response.status_code == 200 else None
+        content = server.http.get(f"/v1/videos/{video['id']}/content") if video is not None else None
+    if content is not None:
+        (folder / "served.mp4").write_bytes(content.content)
+    outcome = {
+        "single": single,
+        "results": [
+            {"index": r.index, "status": r.status, "error": r.error, "video_path": r.video_path} for r in results
+        ],
+        "manifest": [json.loads(line) for line in (folder / "out" / "manifest.jsonl").read_text().splitlines()],
+        "created": [response.status_code, response.text],
+        "served": video,
+        "content_status": None if content is None else content.status_code,
+    }
+    (folder / "outcome.json").write_text(json.dumps(outcome))
+
+
+# mp replicas and a server (about 17 s) whose outcome is all the tests check: in the background, in a process of its
+# own (its server and workers at the job's nice 19; every wait in it is a deadline of 300 s)
+OUTCOME = FolderJob(
+    "HunyuanVideo 1.5 image-to-video: batch and serve",
+    "hv15-serve",
+    in_a_process("test_hunyuan_serving", "batch_and_serve_to"),
+)
+BACKGROUND_JOBS = {"outcome": OUTCOME.hooks}
+
+
+@pytest.fixture(scope="module")
+def outcome() -> dict[str, Any]:
+    folder, proc = OUTCOME.result()
+    assert proc.returncode == 0, format_output(proc)
+    written = json.loads((folder / "outcome.json").read_text())
+    return {**written, "folder": folder, "single": [Path(path).read_bytes() for path in written["single"]]}
+
+
+def test_a_jsonl_batch_over_two_replicas_writes_each_items_single_run(outcome: dict[str, Any]) -> None:
+    results = outcome["results"]
+    assert [(r["index"], r["status"]) for r in results] == [(0, "done"), (1, "done")], [r["error"] for r in results]
+    assert {record["replica"] for record in outcome["manifest"]} == {0, 1}, outcome["manifest"]
+    assert outcome["single"][0] != outcome["single"][1]
+    for result in results:
+        assert Path(result["video_path"]).read_bytes() == outcome["single"][result["index"]], result["index"]
+
+
+def test_a_served_image_to_video_job_is_the_single_runs_video(outcome: dict[str, Any]) -> None:
+    status, text = outcome["created"]
+    assert status == 200, text
+    video = outcome["served"]
+    assert video["status"] == "completed", video
+    assert video["size"] == "64x48"  # width x height: the image's bucket
+    assert outcome["content_status"] == 200
+    assert (outcome["folder"] / "served.mp4").read_bytes() == outcome["single"][0]
