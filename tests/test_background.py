@@ -8,12 +8,11 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
-from background import BackgroundJob, FolderJob, paused, run_program
+from background import BackgroundJob, FolderJob, run_program
 from conftest import _uses_job
 
 NICE = [sys.executable, "-c", "import os; print(os.nice(0))"]
@@ -50,14 +49,36 @@ def test_a_job_stopped_before_it_began_says_so():
         job.result()
 
 
+def _in_a_fresh_process(code: str) -> str:
+    """`code`'s standard output, run by a new interpreter with the tests folder on its path: background.py with a
+    queue of its own, holding only the jobs `code` starts."""
+    tests = str(Path(__file__).parent)
+    env = {**os.environ, "PYTHONPATH": tests}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tests, env=env)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+PAUSED = """
+import threading, time
+import background
+
+job = background.BackgroundJob("after the pause", lambda stopping, environ: threading.current_thread().name)
+with background.paused():
+    job.start()
+    time.sleep(0.5)  # the worker would have begun it by now (nothing queued before it), but may not while paused
+    print(job._state)
+deadline = time.monotonic() + 30
+while job._state == "queued" and time.monotonic() < deadline:  # the worker begins it once the pause ends
+    time.sleep(0.01)
+print(job.result(), job._state)
+"""
+
+
 def test_no_job_begins_while_paused():
-    job = BackgroundJob("after the pause", _nice)
-    with paused():
-        job.start()
-        time.sleep(0.5)  # the worker would have begun it by now (a job of its own, nothing else queued before it in
-        # this file's order), but may not while paused
-        assert job._state == "queued"
-    job.result()
+    """In a process of its own (here the pause first waits for the suite's running jobs: 13 s in one run). Once the
+    pause ends the worker thread runs the job."""
+    assert _in_a_fresh_process(PAUSED).split() == ["queued", "background-jobs", "done"]
 
 
 WAITED_FOR = """
@@ -78,17 +99,7 @@ print(first.result(), second.result())
 def test_while_a_test_waits_for_a_job_under_way_the_next_one_begins():
     """A helper thread runs the queue's next job meanwhile (the first job returns whether the second began before
     it ended: False after 20 s without the helper). In a process of its own, whose queue holds only these two."""
-    tests = str(Path(__file__).parent)
-    proc = subprocess.run(
-        [sys.executable, "-c", WAITED_FOR],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=tests,
-        env={**os.environ, "PYTHONPATH": tests},
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["True", "background-jobs"], proc.stdout
+    assert _in_a_fresh_process(WAITED_FOR).split() == ["True", "background-jobs"]
 
 
 def test_a_folder_job_works_in_a_folder_of_its_own_removed_when_stopped():
