@@ -285,7 +285,7 @@ def probe_model(path: str | Path) -> ModelInfo:
     if not (root / "model_index.json").is_file():
         raise ConfigError(
             f"--model {path}: not a diffusers checkpoint (no model_index.json); download one with e.g. "
-            "`huggingface-cli download Wan-AI/Wan2.1-T2V-1.3B-Diffusers --local-dir <folder>`"
+            "`hf download Wan-AI/Wan2.1-T2V-1.3B-Diffusers --local-dir <folder>`"
         )
     index = _read_json(root / "model_index.json", "file")
     class_name = index.get("_class_name")
