@@ -45,7 +45,8 @@ def _is_pil_image(image: Any) -> bool:
 
 def load_image(image: Any) -> np.ndarray:
     """The RGB pixels (H, W, 3) uint8 of a path, PIL image or array (alpha dropped, grey expanded); ConfigError
-    naming the file when it is missing or not an image."""
+    naming the file when it is missing, not an image, or over PIL's pixel limit (`PIL.Image.MAX_IMAGE_PIXELS`: a
+    decompression bomb), which is checked from its header before any pixel is decoded."""
     from PIL import Image, UnidentifiedImageError
 
     check_image_type(image)
@@ -56,13 +57,29 @@ def load_image(image: Any) -> np.ndarray:
         if not path.is_file():
             raise ConfigError(f"image: {str(path)!r} does not exist on host {_hostname()} (or is not a file)")
         try:
-            with Image.open(path) as opened:
+            with Image.open(path) as opened:  # reads the header only; raises over twice MAX_IMAGE_PIXELS
+                _check_pixel_limit(opened.width, opened.height)  # PIL only warns below twice it, then decodes
                 pil = opened.convert("RGB")
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:  # the warning under -W error
+            raise ConfigError(f"image: {str(path)!r} is too large to read ({exc})") from None
         except (UnidentifiedImageError, OSError, ValueError) as exc:
             raise ConfigError(f"image: {str(path)!r} is not an image PIL can read ({exc})") from None
     else:
         pil = image
     return np.ascontiguousarray(np.asarray(pil.convert("RGB"), dtype=np.uint8))
+
+
+def _check_pixel_limit(width: int, height: int) -> None:
+    """PIL's DecompressionBombError for an image over `PIL.Image.MAX_IMAGE_PIXELS` (None: no limit); PIL itself
+    raises only over twice the limit (below, it warns and decodes). Checked without touching the warning filters,
+    which are global to the process (the service reads images on several threads)."""
+    from PIL import Image
+
+    limit = Image.MAX_IMAGE_PIXELS
+    if limit is not None and width * height > limit:
+        raise Image.DecompressionBombError(
+            f"{width}x{height} = {width * height} pixels; at most {limit} are read (PIL.Image.MAX_IMAGE_PIXELS)"
+        )
 
 
 def image_fingerprint(image: Any) -> str | None:

@@ -151,9 +151,14 @@ class _PendingFile:
         self.file.flush()
         os.fsync(self.file.fileno())
         if replace:
-            staging = target.with_name(f".{target.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.partial")
+            # a name of fixed length, whatever the target's (a target's name may be as long as a name can be)
+            staging = target.with_name(f".distvideo-{os.getpid()}-{uuid.uuid4().hex[:8]}.partial")
             self._link(staging)
-            os.replace(staging, target)
+            try:
+                os.replace(staging, target)
+            except BaseException:
+                staging.unlink(missing_ok=True)
+                raise
             return target
         while True:
             try:

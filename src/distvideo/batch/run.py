@@ -23,7 +23,7 @@ from distvideo.batch.items import BatchItem, build_items
 from distvideo.batch.manifest import Manifest, file_sha256
 from distvideo.media import write_video
 from distvideo.models.registry import ModelInfo
-from distvideo.paths import check_output_target, sanitize_prompt
+from distvideo.paths import check_output_target, path_problem, sanitize_prompt
 from distvideo.request import GenerationRequest
 
 if TYPE_CHECKING:
@@ -77,8 +77,32 @@ def plan_batch(
     out = Path(folder)
     check_output_target(out / "manifest.jsonl")
     items = build_items(raw, model, defaults=defaults, batch_seed=batch_seed)
+    _refuse_unwritable_names(items, out)
     finished = Manifest(out).finished((i.index, i.fingerprint) for i in items if i.request is not None)
     return BatchPlan(folder=out, items=items, finished=finished)
+
+
+def _refuse_unwritable_names(items: list[BatchItem], folder: Path) -> None:
+    """Refuse, before any work, an item whose video file could not be written (its name too long once `.mp4` is
+    added) or would be another item's (two items writing one file would overwrite each other on every run): the
+    first valid item keeps a name, the later ones fail. Exact names (no case folding)."""
+    holders: dict[str, int] = {}
+    for item in items:
+        if item.request is None:
+            continue  # a refused item holds no name
+        name = video_name(item)
+        problem = path_problem(str(folder / name))
+        if problem is not None:
+            what = f"output={item.request.output_path!r}" if item.request.output_path else f"video {name!r}"
+            _refuse(item, f"{what}: as a video file (with .mp4) it {problem}")
+        elif name in holders:
+            _refuse(item, f"output {name!r} is also item {holders[name]}'s")
+        else:
+            holders[name] = item.index
+
+
+def _refuse(item: BatchItem, error: str) -> None:
+    item.request, item.fingerprint, item.error = None, "", error
 
 
 def record_refused(plan: BatchPlan) -> None:
