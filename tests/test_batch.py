@@ -219,6 +219,17 @@ def test_bad_batch_arguments_exit_2(tmp_path, extra, named, no_loading, capsys):
     assert not (tmp_path / "out").exists(), "nothing may be written"
 
 
+def test_the_config_files_output_path_is_the_batch_folder(tmp_path, monkeypatch, no_loading, capsys):
+    """Without --output, a batch's folder is the config file's request.output_path, checked as --output is (before,
+    the batch went to ./outputs and the file's value was ignored without a word)."""
+    prompts = write_prompts(tmp_path)
+    (tmp_path / "conf.yaml").write_text(f"request:\n  output_path: {tmp_path / 'wanted.mp4'}\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["generate", "--prompts", str(prompts), "--config", str(tmp_path / "conf.yaml"), *SMALL]) == 2
+    assert f"--output {tmp_path / 'wanted.mp4'}: with --prompts, --output is a folder" in capsys.readouterr().err
+    assert not (tmp_path / "outputs").exists() and not (tmp_path / "wanted.mp4").exists()
+
+
 def test_generate_batch_returns_results_in_input_order(tmp_path):
     with VideoGenerator.from_pretrained(executor="inline") as gen:
         items = ["one", {"prompt": "two", "seed": 5}, {"prompt": "bad", "width": 50}]

@@ -60,6 +60,9 @@ BAD_INPUTS = [
     (["--prompt", "  "], "prompt"),
     (["--model", "/nonexistent/model"], "--model"),
     (["--executor", "inline", "--num-gpus", "2"], "num_gpus"),
+    (["--device", "banana"], "device='banana'"),
+    (["--device", "cuda:x"], "device='cuda:x'"),
+    (["--lora", "/nonexistent/style.safetensors:0.5"], "LoRA file '/nonexistent/style.safetensors' does not exist"),
 ]
 
 
@@ -136,9 +139,15 @@ print(code, ",".join(heavy) or "none")
         ["serve", "--port", "-5"],
         ["bench", "--steps", "0"],
         ["calibrate", "--steps", "0"],
+        ["generate", "--prompt", "x", "--device", "banana"],
+        ["generate", "--prompt", "x", "--lora", "/nonexistent/style.safetensors"],
+        ["bench", "--lora", "/nonexistent/style.safetensors"],
         ["generate", "--help"],
     ],
-    ids=["generate-steps", "generate-height", "serve-port", "bench-steps", "calibrate-steps", "help"],
+    ids=[
+        *("generate-steps", "generate-height", "serve-port", "bench-steps", "calibrate-steps", "generate-device"),
+        *("generate-lora", "bench-lora", "help"),
+    ],
 )
 def test_bad_input_and_help_exit_before_torch_is_imported(argv):
     """A refused command answers in a fraction of a second: it checks its input before it imports torch, diffusers,

@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from distvideo.config import EngineConfig
 from distvideo.devices import component_dtypes, cuda_device_index, select_device
+from distvideo.errors import ConfigError
 from distvideo.launch import resolve_launch_env
 
 # (case, local rank, GPUs this process sees, CUDA_VISIBLE_DEVICES) -> device index
@@ -66,8 +68,28 @@ def test_select_device_without_gpu():
     assert not torch.cuda.is_available()  # the suite runs on CPU; on a GPU machine this table does not apply
     assert select_device(None, 0) == torch.device("cpu")
     assert select_device(None, 7) == torch.device("cpu")  # any local rank: CPU ranks share the CPU
-    assert select_device("cuda:1", 0) == torch.device("cuda", 1)  # asked for: taken as given, checked on use
     assert select_device("cpu", 3) == torch.device("cpu")
+    assert select_device("cpu:0", 3) == torch.device("cpu", 0)
+
+
+@pytest.mark.parametrize("asked", ["cuda", "cuda:1"])
+def test_a_cuda_device_on_a_host_without_one_is_a_config_error_naming_device(asked):
+    """Not torch's own failure deep in set_device (a ValueError for "cuda", an AttributeError for "cuda:1" on a CPU
+    build), but the parameter and what this host has."""
+    with pytest.raises(ConfigError, match=rf"device='{asked}': torch sees no CUDA GPU on host"):
+        select_device(asked, 0)
+
+
+@pytest.mark.parametrize("device", ["banana", "cuda:x", "cuda:", ":0", "CPU"])
+def test_a_device_that_is_not_one_is_refused_by_the_config(device):
+    with pytest.raises(ConfigError, match=rf"device={device!r} is not a device"):
+        EngineConfig(device=device).validate()
+
+
+@pytest.mark.parametrize("device", ["cpu", "cpu:0", "cuda", "cuda:7", "meta", "xpu:1"])
+def test_the_config_takes_every_device_torch_names(device):
+    EngineConfig(device=device).validate()
+    assert torch.device(device).type == device.partition(":")[0]
 
 
 BF16, F32, F16 = torch.bfloat16, torch.float32, torch.float16

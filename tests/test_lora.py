@@ -19,7 +19,8 @@ import torch
 
 from distvideo import VideoGenerator
 from distvideo.cli.main import main
-from distvideo.config import LoraSpec
+from distvideo.config import EngineConfig, LoraSpec
+from distvideo.executors import resolve_engine
 from distvideo.lora import LoraError, read_lora_file
 from distvideo.lora.formats import diffusers_layer_name, parse_lora_state_dict
 from distvideo.lora.rank import describe, lora_state, transformer_digest
@@ -353,6 +354,24 @@ def test_engine_lora_list_stacks_in_order(gen, files, tiny_model):
     gen.set_lora_adapter("b_wan", files["b"], strength=0.5, accumulate=True)
     gen.set_lora_adapter("a#2", files["a"], strength=0.1, accumulate=True)
     assert digest(gen) == stacked_digest
+
+
+@pytest.mark.parametrize(("executor", "num_gpus"), [("inline", 1), ("mp", 2)])
+def test_a_missing_lora_file_is_refused_before_any_rank_starts(tmp_path, tiny_model, executor, num_gpus):
+    """resolve_engine (which starts no process and reads no weights) names the file: before, the model loaded on
+    every rank first and the error came from set_lora_adapter."""
+    missing = tmp_path / "nowhere.safetensors"
+    config = EngineConfig(model=str(tiny_model), executor=executor, num_gpus=num_gpus, lora=[LoraSpec(str(missing))])
+    with pytest.raises(LoraError, match=rf"LoRA file '{missing}' does not exist on host"):
+        resolve_engine(config)
+    (tmp_path / "two").mkdir()
+    for name in ("a.safetensors", "b.safetensors"):
+        (tmp_path / "two" / name).write_bytes(b"")
+    config = EngineConfig(
+        model=str(tiny_model), executor=executor, num_gpus=num_gpus, lora=[LoraSpec(str(tmp_path / "two"))]
+    )
+    with pytest.raises(LoraError, match=r"is a folder with 2 \.safetensors files \(a.safetensors, b.safetensors\)"):
+        resolve_engine(config)
 
 
 def test_cli_missing_lora_file_exits_2(tmp_path, capsys):

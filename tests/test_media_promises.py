@@ -9,10 +9,13 @@ The image-at-its-own-path-on-each-rank promise is checked in the torchrun launch
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -31,14 +34,12 @@ def generate_cli(output: str) -> int:
 
 
 # --- an output folder that cannot be written -------------------------------------------------------------------------
-@pytest.fixture
-def read_only_dir(tmp_path):
-    """A read-only mount (bindfs -r over a folder of tmp_path): unwritable for root too, whose permission bits mean
-    nothing to the kernel (the tests run as root). Needs bindfs and /dev/fuse (make system-deps)."""
+@contextlib.contextmanager
+def read_only_mount(backing: Path, mount: Path) -> Iterator[Path]:
+    """`backing` seen read-only at `mount` (bindfs -r): unwritable for root too, whose permission bits mean nothing to
+    the kernel (the tests run as root). Needs bindfs and /dev/fuse (make system-deps)."""
     if shutil.which("bindfs") is None:
         pytest.fail("bindfs is not installed: apt-get install -y bindfs (or: make system-deps)", pytrace=False)
-    backing, mount = tmp_path / "backing", tmp_path / "read-only"
-    backing.mkdir()
     mount.mkdir()
     proc = subprocess.run(["bindfs", "-r", str(backing), str(mount)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, f"bindfs could not mount (needs root and /dev/fuse): {proc.stderr}"
@@ -48,6 +49,15 @@ def read_only_dir(tmp_path):
         yield mount
     finally:
         subprocess.run(["umount", str(mount)], capture_output=True, timeout=60)
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """An empty read-only folder (read_only_mount) that must still be empty at the end."""
+    backing = tmp_path / "backing"
+    backing.mkdir()
+    with read_only_mount(backing, tmp_path / "read-only") as mount:
+        yield mount
     assert list(backing.iterdir()) == [], "nothing is half-written"
 
 
@@ -64,6 +74,29 @@ def test_an_unwritable_output_folder_exits_2_before_loading(read_only_dir, no_we
     assert generate_cli(str(read_only_dir / output)) == 2
     err = capsys.readouterr().err
     assert expected in err and str(read_only_dir) in err, err
+
+
+@pytest.mark.fuse
+def test_bench_refuses_an_unwritable_json_file_before_loading(read_only_dir, no_weights_loaded, capsys):
+    """Before, the benchmark ran to its end and only writing the report failed (exit 1)."""
+    argv = ["bench", "--executor", "inline", "--runs", "1", "--warmup", "0", *SMALL_FLAGS]
+    assert main([*argv, "--json", str(read_only_dir / "b.json")]) == 2
+    err = capsys.readouterr().err
+    assert f"--json '{read_only_dir / 'b.json'}': the folder is not writable" in err, err
+
+
+@pytest.mark.fuse
+def test_calibrate_refuses_a_model_folder_it_cannot_write_before_loading(
+    tmp_path, tiny_model, no_weights_loaded, capsys
+):
+    """calibrate stores its ratios beside the model: a read-only model folder is refused before the calibration run
+    (before, the run finished and only writing the file failed, exit 1)."""
+    backing = tmp_path / "model"
+    shutil.copytree(tiny_model, backing)
+    with read_only_mount(backing, tmp_path / "read-only-model") as model:
+        assert main(["calibrate", "--model", str(model), "--executor", "inline", "--steps", "2", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "calibrate: the model folder's ratios file" in err and "the folder is not writable" in err, err
 
 
 # --- encoder settings -----------------------------------------------------------------------------------------------

@@ -19,6 +19,11 @@ DTYPES = ("float32", "bfloat16", "float16")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 LAYOUT_MODES = ("auto", "rules")  # the cost model (parallel/autolayout.py) or the fixed rules of parallel/layout.py
 SHARD_MODES = ("none", "transformer", "all")  # what FSDP2 shards over a replica's ranks (parallel/shard.py)
+#: torch.device's device types (its own list): a typo in `device` is refused before torch is imported or a rank starts
+DEVICE_TYPES = (
+    *("cpu", "cuda", "ipu", "xpu", "mkldnn", "opengl", "opencl", "ideep", "hip", "ve", "fpga", "maia", "xla", "lazy"),
+    *("vulkan", "mps", "meta", "hpu", "mtia", "privateuseone"),
+)
 OFFLOAD_MODES = ("none", "text", "model")  # what waits in host memory until its stage (pipelines/offload.py)
 
 
@@ -93,7 +98,7 @@ class EngineConfig:
     dist_timeout: float | None = _option(
         "seconds a collective may wait for a peer (default 600, DISTVIDEO_DIST_TIMEOUT)", parse="seconds"
     )
-    device: str | None = _option("e.g. cpu, cuda, cuda:1 (default: automatic)")
+    device: str | None = _option("e.g. cpu, cuda (each rank's own GPU), cuda:1 (default: automatic)")
     dtype: str | None = _option("transformer and text-encoder dtype (default: bfloat16 on GPU)", choices=DTYPES)
     lora: list[LoraSpec] = field(
         default_factory=list,
@@ -182,6 +187,8 @@ class EngineConfig:
             raise ConfigError(f"dist_timeout={self.dist_timeout} must be a positive, finite number of seconds")
         if self.ray_address is not None:
             _check_ray_address(self.executor, self.ray_address)
+        if self.device is not None:
+            _check_device(self.device)
         for spec in self.lora:
             if not 0.0 <= abs(spec.strength) < 1e6:
                 raise ConfigError(f"lora strength {spec.strength} for {spec.path} is not a finite number")
@@ -202,6 +209,16 @@ class EngineConfig:
                 f"ulysses_size={u} x ring_size={r} = {u * r} != sp_size={sp}; give sp_size = ulysses_size x "
                 "ring_size, or leave one of them unset"
             )
+
+
+def _check_device(device: str) -> None:
+    """device: TYPE or TYPE:INDEX with one of torch's device types (whether this host has it, the ranks tell)."""
+    kind, colon, index = str(device).partition(":")
+    if kind not in DEVICE_TYPES or (colon and not index.isdigit()):
+        raise ConfigError(
+            f"device={device!r} is not a device: give TYPE or TYPE:INDEX, e.g. cpu, cuda (each rank's own GPU) or "
+            f"cuda:1; TYPE is one of {', '.join(DEVICE_TYPES)}"
+        )
 
 
 def _check_ray_address(executor: str, address: str) -> None:

@@ -5,10 +5,12 @@ from __future__ import annotations
 import logging
 import os
 import resource
+import socket
 
 import torch
 
 from distvideo import envs
+from distvideo.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -54,10 +56,10 @@ def cuda_device_index(local_rank: int, visible: int, cuda_visible_devices: str |
 
 
 def select_device(requested: str | None, local_rank: int) -> torch.device:
-    """`requested` when given; else the GPU of this local rank (:func:`cuda_device_index`) when CUDA is available;
+    """`requested` when given ("cuda" alone: this local rank's GPU, as below); else the GPU of this local rank (:func:`cuda_device_index`) when CUDA is available;
     else the CPU."""
     if requested:
-        return torch.device(requested)
+        return _requested_device(requested, local_rank)
     if torch.cuda.is_available():
         count = torch.cuda.device_count()
         index = cuda_device_index(local_rank, count, envs.get_raw("CUDA_VISIBLE_DEVICES"))
@@ -65,6 +67,28 @@ def select_device(requested: str | None, local_rank: int) -> torch.device:
             logger.info("local rank %d sees one GPU (per-task binding); using cuda:0", local_rank)
         return torch.device("cuda", index)
     return torch.device("cpu")
+
+
+def _requested_device(requested: str, local_rank: int) -> torch.device:
+    """A device the caller named: "cuda" without an index is this local rank's GPU (as with no device given); a
+    CUDA device this process cannot see is a ConfigError naming `device`, not a failure deep inside torch."""
+    device = torch.device(requested)
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            f"device={requested!r}: torch sees no CUDA GPU on host {socket.gethostname()} (torch {torch.__version__}, "
+            f"built for CUDA {torch.version.cuda}); pass device='cpu' or install a CUDA build of torch"
+        )
+    count = torch.cuda.device_count()
+    if device.index is None:
+        return torch.device("cuda", cuda_device_index(local_rank, count, envs.get_raw("CUDA_VISIBLE_DEVICES")))
+    if device.index >= count:
+        raise ConfigError(
+            f"device={requested!r}: this process sees {count} GPU(s), cuda:0 to cuda:{count - 1} "
+            f"(CUDA_VISIBLE_DEVICES={envs.get_raw('CUDA_VISIBLE_DEVICES')!r})"
+        )
+    return device
 
 
 def component_dtypes(device: torch.device, dtype: str | None) -> dict[str, torch.dtype]:

@@ -3,14 +3,18 @@ whether the folder it would go to can take it (checked before any work)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
+import socket
+import tempfile
 import unicodedata
 from pathlib import Path
 
-from distvideo.errors import ConfigError
+from distvideo.errors import ConfigError, LoraError
 
+LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # what diffusers' save_lora_weights writes in a folder
 NAME_MAX = 255  # bytes of one path component on Linux file systems
 PATH_MAX = 4096
 
@@ -67,18 +71,57 @@ def first_free(target: Path) -> Path:
         n += 1
 
 
-def check_output_target(target: Path) -> None:
-    """Refuse (ConfigError) an output the writer could not create, before any work: a folder that is a file, a
-    folder or the nearest existing ancestor not writable, a name too long for the file system."""
+def check_output_target(target: Path, name: str = "output_path") -> None:
+    """Refuse (ConfigError, naming the parameter `name`) an output the writer could not create, before any work: a
+    folder that is a file, a folder or the nearest existing ancestor not writable, a name too long for the file
+    system."""
     problem = path_problem(str(target))
     if problem:
-        raise ConfigError(f"output_path {str(target)!r}: {problem}")
+        raise ConfigError(f"{name} {str(target)!r}: {problem}")
     folder = target.parent
     existing = folder
     while not os.path.lexists(existing) and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
-        raise ConfigError(f"output_path {str(target)!r}: {existing} is not a folder")
+        raise ConfigError(f"{name} {str(target)!r}: {existing} is not a folder")
     if not os.access(existing, os.W_OK | os.X_OK):
         what = "the folder" if existing == folder else f"{existing}, where its folder would be created,"
-        raise ConfigError(f"output_path {str(target)!r}: {what} is not writable by this user")
+        raise ConfigError(f"{name} {str(target)!r}: {what} is not writable by this user")
+
+
+def resolve_lora_path(path: str | Path) -> Path:
+    """The .safetensors file behind a LoRA path (a file, or a folder holding diffusers'
+    pytorch_lora_weights.safetensors or exactly one .safetensors file); a LoraError naming the path when there is
+    none. Reads no file, imports no torch: the CLI and the API call it before any rank starts or weight loads."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise LoraError(f"LoRA file {str(p)!r} does not exist on host {socket.gethostname()}")
+    if p.is_dir():
+        if (p / LORA_WEIGHT_NAME).is_file():
+            return (p / LORA_WEIGHT_NAME).resolve()
+        candidates = sorted(c for c in p.glob("*.safetensors") if c.is_file())
+        if len(candidates) == 1:
+            return candidates[0].resolve()
+        shown = ", ".join(c.name for c in candidates[:5]) or "none"
+        raise LoraError(
+            f"LoRA path {str(p)!r} is a folder with {len(candidates)} .safetensors files ({shown}); "
+            "pass the adapter's .safetensors file itself"
+        )
+    return p.resolve()
+
+
+def replace_file(path: Path, text: str) -> None:
+    """Write `text` to `path` atomically: a new temporary file beside it (created exclusively, so a symlink planted
+    there is never followed, and named for this call, so two writers never share one), renamed over `path` (which
+    replaces a symlink at `path` itself, not its target). The file is readable by all (0644), as a plain write gives
+    under the usual umask."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            os.fchmod(f.fileno(), 0o644)
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise

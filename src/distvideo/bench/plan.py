@@ -12,6 +12,7 @@ from typing import Any
 from distvideo.cli.arguments import add_engine_arguments, add_request_arguments, configs_from_args
 from distvideo.engine import ResolvedEngine
 from distvideo.errors import ConfigError
+from distvideo.paths import check_output_target
 from distvideo.request import GenerationRequest
 
 DEFAULT_PROMPT = "a red fox running through snow"
@@ -87,6 +88,8 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
         raise ConfigError("--lora with --compare diffusers: the diffusers side would run without the adapter; drop one")
     # one bar per run instead of the per-step bar; bad paths and impossible layouts fail here, before any process
     resolved = resolve_engine(dataclasses.replace(engine, progress=False))
+    if json_path is not None and resolved.launch is None:  # (launched ranks: rank 0 writes it, the others never)
+        check_output_target(json_path, name="--json")
     info = resolved.model
     request = info.resolve_request(dataclasses.replace(request, save_video=False, return_frames=True))
     try:

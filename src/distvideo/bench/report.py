@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
 import os
 import platform
 import statistics
-import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from distvideo.bench.measure import default_matmul_size, device_name, median_record
 from distvideo.bench.plan import MATMUL_SECONDS, RATIO_FIGURES, BenchPlan
+from distvideo.paths import replace_file
 from distvideo.request import GenerationRequest
 
 if TYPE_CHECKING:
@@ -115,17 +114,8 @@ def environment(
 
 
 def write_json(path: Path, report: Mapping[str, Any]) -> None:
-    """Atomically: a new temporary file beside `path` (created exclusively, so a symlink planted there is never
-    followed), renamed over `path` (which replaces a symlink at `path` itself, not its target)."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(report, indent=2) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    """Atomically (paths.replace_file)."""
+    replace_file(path, json.dumps(report, indent=2) + "\n")
 
 
 # -- the table -----------------------------------------------------------------------------------

@@ -25,7 +25,8 @@ def add_calibrate_parser(sub: Any) -> None:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from distvideo.executors import resolve_engine
     from distvideo.generator import VideoGenerator
-    from distvideo.models.cache_ratios import scheduler_name, write_ratios
+    from distvideo.models.cache_ratios import RATIOS_FILE, scheduler_name, write_ratios
+    from distvideo.paths import check_output_target
     from distvideo.request import CACHE_CALIBRATE, GenerationRequest
 
     engine_config, _ = engine_config_from_args(args)
@@ -39,6 +40,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         return_frames=False,
     )
     request = engine.model.resolve_request(request)  # bad input (the step count) before loading
+    if engine.launch is None:  # the model folder takes the ratios file: refused before loading when it cannot
+        check_output_target(engine.model.path / RATIOS_FILE, name="calibrate: the model folder's ratios file")
     with VideoGenerator.from_engine(engine) as gen:
         result = gen.generate_request(request)
     if result.cache is None or "ratios" not in result.cache:

@@ -69,11 +69,11 @@ def cmd_batch(args: argparse.Namespace) -> int:
 
     if args.prompt is not None:
         raise ConfigError("--prompt and --prompts: give one prompt or a prompt file, not both")
-    folder = args.output_path or "outputs"
-    if folder.lower().endswith(".mp4"):
-        raise ConfigError(f"--output {folder}: with --prompts, --output is a folder for the videos and the manifest")
     args.prompt = "-"  # each item brings its own
     engine_config, defaults = configs_from_args(args)
+    folder = defaults.output_path or "outputs"  # --output, else the config file's request.output_path
+    if folder.lower().endswith(".mp4"):
+        raise ConfigError(f"--output {folder}: with --prompts, --output is a folder for the videos and the manifest")
     engine = resolve_engine(engine_config, objective="throughput")  # many items: replicas count (layout auto)
     raw = read_prompt_file(args.prompts)
     _refuse_an_ignored_seed(args, raw)

@@ -18,6 +18,7 @@ from distvideo.models.hub import resolve_model
 from distvideo.models.loading import verify_component_files
 from distvideo.models.registry import probe_model
 from distvideo.parallel.planner import auto_layout
+from distvideo.paths import resolve_lora_path
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,9 @@ def resolve_engine(
         check_ray_installed()
     if kind == "inline" and (config.num_gpus or 1) != 1:
         raise ConfigError(f"executor='inline' runs one rank; num_gpus={config.num_gpus} needs executor 'mp'")
+    if kind in ("inline", "mp"):  # its ranks read the adapters on this host: a missing one is refused before they start
+        for spec in config.lora:  # (launched or Ray ranks check theirs together, on their own hosts)
+            resolve_lora_path(spec.path)
     world_size = launch.world_size if launch is not None else (config.num_gpus or 1)
     per_node = launch.local_world_size if launch is not None else world_size
     chosen = auto_layout(config, model, world_size, per_node, objective=objective)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
-import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,10 +25,10 @@ from pathlib import Path
 import torch
 
 from distvideo.errors import LoraError
+from distvideo.paths import resolve_lora_path
 
 logger = logging.getLogger(__name__)
 
-DIFFUSERS_WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # what diffusers' save_lora_weights writes in a folder
 
 # Outer prefixes, longest first: PEFT's wrapper, ComfyUI-style, Wan's own, diffusers' component name.
 _PREFIXES = ("base_model.model.", "model.diffusion_model.", "diffusion_model.", "transformer.")
@@ -157,26 +156,6 @@ def key_layout(keys: list[str]) -> str:
     if any(k.startswith(("diffusion_model.", "model.diffusion_model.")) for k in keys):
         return "Wan (diffusion_model....lora_down/lora_up)"
     return "diffusers/PEFT (...lora_A/lora_B)"
-
-
-def resolve_lora_path(path: str | Path) -> Path:
-    """The .safetensors file behind `path` (a file, or a folder holding diffusers' pytorch_lora_weights.safetensors or
-    exactly one .safetensors file); a LoraError naming the path when there is none."""
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise LoraError(f"LoRA file {str(p)!r} does not exist on host {socket.gethostname()}")
-    if p.is_dir():
-        if (p / DIFFUSERS_WEIGHT_NAME).is_file():
-            return (p / DIFFUSERS_WEIGHT_NAME).resolve()
-        candidates = sorted(c for c in p.glob("*.safetensors") if c.is_file())
-        if len(candidates) == 1:
-            return candidates[0].resolve()
-        shown = ", ".join(c.name for c in candidates[:5]) or "none"
-        raise LoraError(
-            f"LoRA path {str(p)!r} is a folder with {len(candidates)} .safetensors files ({shown}); "
-            "pass the adapter's .safetensors file itself"
-        )
-    return p.resolve()
 
 
 def read_lora_file(path: str | Path) -> LoraFile:

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 from distvideo.errors import ConfigError
+from distvideo.paths import replace_file
 from distvideo.request import CACHE_CALIBRATE, GenerationRequest
 
 RATIOS_FILE = "distvideo_cache_ratios.json"
@@ -48,9 +48,7 @@ def write_ratios(root: Path, scheduler: str, steps: int, ratios: list[float]) ->
     path = root / RATIOS_FILE
     known = read_ratios(root)
     known[ratios_key(scheduler, steps)] = [round(float(r), 6) for r in ratios]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"version": 1, "ratios": dict(sorted(known.items()))}, indent=1) + "\n")
-    os.replace(tmp, path)
+    replace_file(path, json.dumps({"version": 1, "ratios": dict(sorted(known.items()))}, indent=1) + "\n")
     return path
 
 
