@@ -178,5 +178,6 @@ class Admission:
                 f"--max-steps={limits.max_steps}",
                 param="num_inference_steps",
             )
-        if len(request.prompt) > limits.max_prompt_chars:
-            raise ApiError(422, f"prompt: longer than {limits.max_prompt_chars} characters", param="prompt")
+        for name, text in (("prompt", request.prompt), ("negative_prompt", body.negative_prompt)):  # as sent
+            if text is not None and len(text) > limits.max_prompt_chars:
+                raise ApiError(422, f"{name}: longer than {limits.max_prompt_chars} characters", param=name)

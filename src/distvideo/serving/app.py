@@ -16,6 +16,7 @@ from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTex
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.sse import EventSourceResponse
 
+from distvideo.errors import ConfigError
 from distvideo.models.embedded import example_prompt
 from distvideo.serving import metrics
 from distvideo.serving.admission import Admission, ApiError
@@ -230,16 +231,32 @@ def _add_create_route(app: FastAPI, ctx: AppContext, guard: Guard) -> None:
                 raise ApiError(
                     503, f"the server is not accepting jobs: {ctx.service.health_detail}", code="unavailable"
                 )
+        except ConfigError as exc:  # a check below admission's own (which answers ApiError) refusing the input
+            image_path.unlink(missing_ok=True)
+            ctx.service.counters.rejected["invalid"] += 1
+            param = "input_reference" if str(exc).startswith("image") else None  # load_image names it "image: ..."
+            raise ApiError(422, str(exc), param=param) from None
         except ApiError as exc:
             image_path.unlink(missing_ok=True)
             if exc.status in (400, 415, 422):
                 ctx.service.counters.rejected["invalid"] += 1
             raise
-        record = ctx.store.insert(
-            JobRecord(
-                id=job_id, status=QUEUED, model=ctx.admission.model_id, params={"api": api}, created_at=int(time.time())
+        except BaseException:  # whatever failed (a 500, a cancelled request), the upload is not left behind
+            image_path.unlink(missing_ok=True)
+            raise
+        try:
+            record = ctx.store.insert(
+                JobRecord(
+                    id=job_id,
+                    status=QUEUED,
+                    model=ctx.admission.model_id,
+                    params={"api": api},
+                    created_at=int(time.time()),
+                )
             )
-        )
+        except BaseException:
+            image_path.unlink(missing_ok=True)
+            raise
         lora = None if body.lora is None else (body.lora.name, body.lora.strength)
         try:
             ctx.service.enqueue(QueuedJob(id=job_id, request=resolved, lora=lora, client=_client(ctx, request)))
@@ -257,6 +274,10 @@ def _add_create_route(app: FastAPI, ctx: AppContext, guard: Guard) -> None:
             ctx.store.delete(job_id)
             image_path.unlink(missing_ok=True)
             raise ApiError(503, f"the server is not accepting jobs: {exc}", code="unavailable") from None
+        except BaseException:
+            ctx.store.delete(job_id)
+            image_path.unlink(missing_ok=True)
+            raise
         return Video.of(record)
 
 

@@ -23,16 +23,29 @@ def error_response(error: ApiError) -> JSONResponse:
     return JSONResponse(body, status_code=error.status, headers=error.headers)
 
 
+# what pydantic names a union's branches by in `loc` when they are plain types (others carry '-' or '[': 'function-after[..]')
+_TYPE_LABELS = frozenset({"str", "int", "float", "bool", "bytes", "list", "dict", "tuple", "set", "none", "decimal"})
+
+
 def from_validation(errors: list[Any], *, prefix_to_drop: tuple[str, ...] = ("body", "query", "path")) -> ApiError:
-    """One ApiError for pydantic's error list: the first error names the field; a body that is not JSON is a 400."""
+    """One ApiError for pydantic's error list: the first error names the field (`param`: the request's own field, the
+    message: the path to it inside, e.g. lora.name); a body that is not JSON is a 400."""
     first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": "value_error"}
-    loc = [str(part) for part in first.get("loc", ()) if str(part) not in prefix_to_drop]
-    param = ".".join(loc) or None
+    loc = [part for part in first.get("loc", ()) if str(part) not in prefix_to_drop]
+    # pydantic puts labels of what it tried into `loc` too (a union's branches: 'str', 'constrained-str',
+    # 'function-after[...]'): the path ends at the first part that is no field name or list index
+    fields = [str(part) for part in loc[:1]]
+    for part in loc[1:]:
+        if not isinstance(part, int) and (part in _TYPE_LABELS or not part.isidentifier()):
+            break
+        fields.append(str(part))
+    param = fields[0] if fields else None
+    where = ".".join(fields) or None
     if first.get("type") == "json_invalid":
         return ApiError(400, f"the body is not valid JSON: {first.get('msg')}", code="invalid_json")
     if first.get("type") == "extra_forbidden":
-        return ApiError(422, f"{param}: unknown field; see the request schema at /openapi.json", param=param)
-    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+        return ApiError(422, f"{where}: unknown field; see the request schema at /openapi.json", param=param)
+    message = f"{where}: {first.get('msg')}" if where else str(first.get("msg"))
     if "input" in first and first.get("type") != "missing":
         message += f" (got {_short(first['input'])})"
     return ApiError(422, message, param=param)

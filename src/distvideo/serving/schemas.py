@@ -3,15 +3,49 @@ the engine's own request fields as extensions. FastAPI builds the OpenAPI schema
 
 from __future__ import annotations
 
+import math
+import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema
+from pydantic_core import PydanticCustomError
 
 from distvideo.serving.store import JobRecord
 
 Status = Literal["queued", "in_progress", "completed", "failed"]
-SecondsText = Annotated[str, Field(pattern=r"^[0-9]{1,4}(\.[0-9]{1,6})?$")]
-SecondsNumber = Annotated[float, Field(gt=0, le=3600, allow_inf_nan=False)]
+MAX_SECONDS = 3600
+_SECONDS_TEXT = r"^[0-9]{1,4}(\.[0-9]{1,6})?$"
+
+
+def _seconds(value: object) -> str | float:
+    """A duration as text ("5", "2.5") or a number (5, 2.5): one rule for both, 0 < seconds <= MAX_SECONDS. Text
+    stays text (the job shows what was asked); whether it is a whole number of frames, admission checks."""
+    if isinstance(value, str):
+        if not re.fullmatch(_SECONDS_TEXT, value):
+            raise PydanticCustomError("seconds", "must be a number of seconds such as 5 or 2.5, as a number or text")
+        number = float(value)
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value)
+    else:
+        raise PydanticCustomError("seconds", "must be a number of seconds such as 5 or 2.5, as a number or text")
+    if not (math.isfinite(number) and 0 < number <= MAX_SECONDS):
+        raise PydanticCustomError("seconds", f"must be more than 0 and at most {MAX_SECONDS}")
+    return value if isinstance(value, str) else number
+
+
+# one field, one validator for both forms (a plain union would check each form apart and name its branches)
+Seconds = Annotated[
+    str | float,
+    PlainValidator(_seconds),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_SECONDS},
+                {"type": "string", "pattern": _SECONDS_TEXT},
+            ]
+        }
+    ),
+]
 
 
 class LoraChoice(BaseModel):
@@ -31,8 +65,10 @@ class VideoCreate(BaseModel):
     size: str | None = Field(
         None, pattern=r"^[0-9]{1,5}x[0-9]{1,5}$", description="WIDTHxHEIGHT in pixels", examples=["832x480"]
     )
-    seconds: SecondsText | SecondsNumber | None = Field(
-        None, description="duration: num_frames = seconds x fps + 1 (give seconds or num_frames)"
+    seconds: Seconds | None = Field(
+        None,
+        description=f"duration, more than 0 and at most {MAX_SECONDS}, as a number or text: num_frames = seconds x "
+        "fps + 1 (give seconds or num_frames)",
     )
     num_frames: int | None = Field(None, ge=1, le=100000, description="frames (for Wan: of the form 4k+1)")
     fps: int | None = Field(

@@ -9,6 +9,7 @@ admission, gives the running job the grace period, reaches every rank and exits 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import ipaddress
@@ -26,6 +27,7 @@ from distvideo.engine import ResolvedEngine
 from distvideo.errors import ConfigError, ProcessGroupBrokenError
 from distvideo.executors import resolve_engine
 from distvideo.executors.store import PrivateStore, StoreAddress
+from distvideo.paths import check_output_target, resolve_lora_path
 from distvideo.serving.adapters import Adapters
 from distvideo.serving.admission import Admission
 from distvideo.serving.board import ReplicaBoard
@@ -52,10 +54,14 @@ class Frontend:
     """What only rank 0 has: the store, the service state, the HTTP server."""
 
     def __init__(self, engine: ResolvedEngine, options: ServeOptions, presets: dict[str, Any]):
-        output = Path(options.output).resolve()
-        output.mkdir(parents=True, exist_ok=True)
-        self._lock = _lock_output(output)  # one server per store: a second one would fail the first one's jobs
-        self.sock = bind(options.host, options.port)  # a taken port fails here, before any weight loads
+        # the port first: a host or port it cannot listen on fails before the output folder is made
+        self.sock = _listen(options.host, options.port)  # before any weight loads, too
+        try:
+            output = Path(options.output).resolve()
+            self._lock = _open_output(output)  # one server per store: a second one would fail the first one's jobs
+        except BaseException:
+            self.sock.close()
+            raise
         if not options.api_keys() and not _loopback(options.host):
             logger.warning(
                 "listening on %s without an API key: anyone who reaches this port can submit jobs", options.host
@@ -107,6 +113,45 @@ class Frontend:
         os.close(self._lock)
 
 
+def _listen(host: str, port: int) -> socket.socket:
+    """The listening socket, or a ConfigError naming --host and --port (a name that does not resolve, an address not
+    on this machine, a port in use or not allowed)."""
+    try:
+        return bind(host, port)
+    except OSError as exc:
+        raise ConfigError(f"--host {host} --port {port}: cannot listen there: {exc}") from None
+
+
+def _open_output(output: Path) -> int:
+    """Make the output folder (with its missing parents) and lock it: the lock's file descriptor, or a ConfigError
+    naming --output (a file in the way, a folder not writable, a name too long); on failure nothing made is left."""
+    check_output_target(output / "jobs.lock", name="--output")
+    missing = [p for p in (output, *output.parents) if not os.path.lexists(p)]
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+        return _lock_output(output)
+    except OSError as exc:
+        lock = output / "jobs.lock"
+        if missing and os.path.lexists(lock):
+            lock.unlink(missing_ok=True)
+        for made in missing:  # deepest first; a folder someone else filled meanwhile stays
+            with contextlib.suppress(OSError):
+                made.rmdir()
+        raise ConfigError(f"--output {output}: cannot use it for the videos and the job store: {exc}") from None
+
+
+def _check_adapters(engine: ResolvedEngine, adapters: dict[str, str]) -> None:
+    """Every --lora-adapter file, checked before anything is made or loaded where this host is where every rank reads
+    it (inline, mp). Launched and Ray ranks may be on other hosts: theirs check together when they load them."""
+    if engine.launch is not None or engine.executor not in ("inline", "mp"):
+        return
+    for name, path in adapters.items():
+        try:
+            resolve_lora_path(path)
+        except ConfigError as exc:
+            raise ConfigError(f"--lora-adapter {name}={path}: {exc}") from None
+
+
 def _lock_output(output: Path) -> int:
     fd = os.open(output / "jobs.lock", os.O_RDWR | os.O_CREAT, 0o600)
     try:
@@ -141,6 +186,7 @@ def serve(config: EngineConfig, options: ServeOptions, presets: dict[str, Any] |
             "rank between jobs, which replicas running different jobs at once cannot share; serve them with "
             "--replicas 1, or load fixed adapters with --lora (every job gets them)"
         )
+    _check_adapters(engine, options.lora_adapters)
     rank = engine.launch.rank if engine.launch is not None else 0
     rank0 = Frontend(engine, options, dict(presets or {})) if rank == 0 else None
     stop = threading.Event()
