@@ -7,13 +7,13 @@ from __future__ import annotations
 import dataclasses
 import socket
 import struct
-import subprocess
 import zlib
 from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
 
+from distvideo.cli.main import main
 from distvideo.errors import ConfigError
 from distvideo.models.registry import WAN22_TI2V_5B, probe_model
 from distvideo.serving.admission import Admission
@@ -23,15 +23,29 @@ from distvideo.serving.jobs import Service
 from distvideo.serving.options import ServeLimits
 from distvideo.serving.store import STORE_NAME, JobStore
 
-from launchers import console_script
-
 TINY = Path(__file__).resolve().parents[1] / "src" / "distvideo" / "assets" / "tiny-wan"
 
 
 # -- flags: `distvideo serve` exits 2 naming the flag, and leaves nothing behind ------------------------------------
-def serve(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess[str]:
-    command = [console_script("distvideo"), "serve", "--model", str(TINY), "--executor", "inline", *flags]
-    return subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+@dataclasses.dataclass
+class Served:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def serve(tmp_path, monkeypatch, capsys, no_weights_loaded):
+    """`distvideo serve` in this process (its exit code and output): each case must end before the model loads (the
+    tripwire fails it otherwise), so a regression fails the test instead of serving."""
+    monkeypatch.chdir(tmp_path)
+
+    def run(*flags: str) -> Served:
+        code = main(["serve", "--model", str(TINY), "--executor", "inline", *flags])
+        out = capsys.readouterr()
+        return Served(code, out.out, out.err)
+
+    return run
 
 
 @pytest.mark.parametrize(
@@ -39,31 +53,31 @@ def serve(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess[str]:
     [("10.254.254.254", False), ("no-such-host.invalid", False), ("127.0.0.1", True)],
     ids=["address-not-here", "unresolvable", "port-in-use"],
 )
-def test_a_host_or_port_it_cannot_listen_on_exits_2_before_the_output_folder_is_made(tmp_path, host, port_taken):
+def test_a_host_or_port_it_cannot_listen_on_exits_2_before_the_output_folder_is_made(tmp_path, serve, host, port_taken):
     with socket.socket() as taken:
         port = "0"
         if port_taken:
             taken.bind(("127.0.0.1", 0))
             taken.listen(1)
             port = str(taken.getsockname()[1])
-        done = serve(tmp_path, "--host", host, "--port", port, "--output", str(tmp_path / "out"))
+        done = serve("--host", host, "--port", port, "--output", str(tmp_path / "out"))
     assert done.returncode == 2, done.stderr
     assert "--host" in done.stderr and "--port" in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("output", ["a-file", "a-file/videos", "x" * 300], ids=["a-file", "under-a-file", "too-long"])
-def test_an_output_that_is_a_file_under_a_file_or_too_long_exits_2_naming_output(tmp_path, output):
+def test_an_output_that_is_a_file_under_a_file_or_too_long_exits_2_naming_output(tmp_path, serve, output):
     (tmp_path / "a-file").write_text("x")
-    done = serve(tmp_path, "--port", "0", "--output", str(tmp_path / output))
+    done = serve("--port", "0", "--output", str(tmp_path / output))
     assert done.returncode == 2, done.stderr
     assert "--output" in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"] and (tmp_path / "a-file").read_text() == "x"
 
 
-def test_a_missing_lora_adapter_file_exits_2_before_anything_is_created(tmp_path):
+def test_a_missing_lora_adapter_file_exits_2_before_anything_is_created(tmp_path, serve):
     missing = tmp_path / "nonexistent.safetensors"
-    done = serve(tmp_path, "--port", "0", "--output", str(tmp_path / "out"), "--lora-adapter", f"style={missing}")
+    done = serve("--port", "0", "--output", str(tmp_path / "out"), "--lora-adapter", f"style={missing}")
     assert done.returncode == 2, done.stderr
     assert "--lora-adapter" in done.stderr and "style" in done.stderr, done.stderr
     assert "listening" not in done.stdout
