@@ -56,9 +56,10 @@ def test_an_image_over_pils_pixel_limit_is_a_config_error_naming_the_image(tmp_p
 
 
 def test_an_image_between_pils_limits_is_refused_too_not_decoded(tmp_path):
-    """Between MAX_IMAGE_PIXELS and twice it PIL only warns and goes on decoding: refused the same way."""
+    """Between MAX_IMAGE_PIXELS and twice it PIL only warns (as it opens the file) and goes on decoding: refused the
+    same way."""
     big = png_claiming(tmp_path / "big.png", 10000, 10000)  # 100M pixels: over 89.5M, under 179M
-    with pytest.raises(ConfigError) as caught:
+    with pytest.raises(ConfigError) as caught, pytest.warns(Image.DecompressionBombWarning):
         load_image(big)
     message = str(caught.value)
     assert message.startswith("image:") and "too large" in message and "100000000 pixels" in message, message
