@@ -4,8 +4,10 @@ request bodies through the app itself (FastAPI's TestClient; no engine, no model
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import socket
+import sqlite3
 import struct
 import zlib
 from pathlib import Path
@@ -224,3 +226,20 @@ def test_an_image_the_loader_refuses_is_a_422_naming_input_reference(app, monkey
     response = post_image(client, bomb_png(64, 64))
     assert response.status_code == 422 and response.json()["error"]["param"] == "input_reference", response.text
     assert not list(output.glob("*.input"))
+
+
+@pytest.mark.parametrize("store", ["not-sqlite", "another-programs-videos-table"])
+def test_an_output_holding_a_file_that_is_no_job_store_exits_2_naming_output(tmp_path, serve, store):
+    """Before, a raw sqlite3 error (exit 1) that named neither the flag nor the file, with the folder's lock and the
+    socket left open in the process: the second attempt here would find the lock taken."""
+    out = tmp_path / "out"
+    out.mkdir()
+    if store == "not-sqlite":
+        (out / STORE_NAME).write_bytes(b"not a database " * 100)
+    else:
+        with contextlib.closing(sqlite3.connect(out / STORE_NAME)) as db:
+            db.executescript("CREATE TABLE videos (name TEXT); INSERT INTO videos VALUES ('mine');")
+    for _ in range(2):
+        done = serve("--port", "0", "--output", str(out))
+        assert done.returncode == 2, done.stderr
+        assert f"--output {out}: its {STORE_NAME} is not a job store this server can use" in done.stderr, done.stderr

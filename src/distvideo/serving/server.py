@@ -17,6 +17,7 @@ import logging
 import os
 import secrets
 import socket
+import sqlite3
 import sys
 import threading
 from pathlib import Path
@@ -66,10 +67,13 @@ class Frontend:
             logger.warning(
                 "listening on %s without an API key: anyone who reaches this port can submit jobs", options.host
             )
-        self.store = JobStore(output / STORE_NAME)
         self.events = JobEvents()
-        self.store.watch(self.events.publish)
-        recovered = self.store.recover("the server stopped before this job finished; submit it again")
+        try:
+            self.store, recovered = _open_store(output, self.events)
+        except BaseException:
+            self.sock.close()
+            os.close(self._lock)
+            raise
         if recovered:
             logger.info("marked %d job(s) left queued or running by the previous server as failed", recovered)
         self.service = Service(options.max_queue)
@@ -138,6 +142,23 @@ def _open_output(output: Path) -> int:
             with contextlib.suppress(OSError):
                 made.rmdir()
         raise ConfigError(f"--output {output}: cannot use it for the videos and the job store: {exc}") from None
+
+
+def _open_store(output: Path, events: JobEvents) -> tuple[JobStore, int]:
+    """The folder's job store, watched by `events`, with the jobs a previous server left unfinished marked failed (and
+    how many); a file there that is not a job store this server can use is a ConfigError naming --output."""
+    store = None
+    try:
+        store = JobStore(output / STORE_NAME)
+        store.watch(events.publish)
+        return store, store.recover("the server stopped before this job finished; submit it again")
+    except sqlite3.Error as exc:
+        if store is not None:
+            store.close()
+        raise ConfigError(
+            f"--output {output}: its {STORE_NAME} is not a job store this server can use ({exc}); move it away or "
+            "choose another folder"
+        ) from None
 
 
 def _check_adapters(engine: ResolvedEngine, adapters: dict[str, str]) -> None:
