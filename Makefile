@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 SRC := src/distvideo
 
-.PHONY: setup system-deps demo test test-fast lint typecheck pytest clean
+.PHONY: setup system-deps demo test test-fast lint typecheck pytest dist clean
 
 setup:
 	@bash scripts/setup_venv.sh
@@ -32,5 +32,11 @@ test-fast: setup
 	$(VENV)/bin/ruff check src tests
 	$(PY) -m pytest -q -x -p no:randomly -m "$(FAST)" tests
 
+# The wheel for cluster nodes and images (docs/launching.md, "Installing on cluster nodes"): built with .venv's
+# setuptools, no download; build/ goes first so that a module deleted since the last build cannot ride along.
+dist: setup
+	rm -rf build
+	$(PY) -m pip wheel --no-deps --no-build-isolation -w dist .
+
 clean:
-	rm -rf $(VENV) outputs .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) outputs .pytest_cache .mypy_cache .ruff_cache dist build
