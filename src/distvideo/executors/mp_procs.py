@@ -59,7 +59,10 @@ class WorkerProcesses:
         self.control = ControlBlock()  # the driver writes, the workers read between denoising steps
 
     def spawn(self) -> None:
-        ctx = mp_start.context(cuda=device_kind(self.engine.config.device) == "cuda")
+        cuda = device_kind(self.engine.config.device) == "cuda"
+        if not cuda:
+            warn_if_oversubscribed(self.world_size, available_cores())
+        ctx = mp_start.context(cuda=cuda)
         # A private rendezvous: a file store in a directory only this user can open (mkdtemp makes it 0700); no port
         # is chosen, released and reused, and no store listens on the network.
         self._rendezvous_dir = tempfile.mkdtemp(prefix="distvideo-rendezvous-")
@@ -163,7 +166,9 @@ class WorkerProcesses:
         return ranks
 
     def stop(self, graceful: bool) -> None:
-        """Ask the workers to leave, then SIGTERM, then SIGKILL; close the pipes. Safe to call twice."""
+        """Ask the workers to leave, then SIGTERM, then SIGKILL; close the pipes. Safe to call twice. Each step reaches
+        every worker first and then waits for all of them against one deadline, so a stop takes at most
+        SHUTDOWN_GRACE_S + 2 x TERMINATE_GRACE_S, however many workers there are."""
         procs = self.procs  # only started processes are listed
         if graceful:
             shutdown = HEADER.pack(0, OP_SHUTDOWN)
@@ -176,7 +181,8 @@ class WorkerProcesses:
             if not alive:
                 break
             if graceful or signame == "SIGKILL":
-                logger.warning("%d worker(s) did not stop in time; sending %s", len(alive), signame)
+                waited = SHUTDOWN_GRACE_S if signame == "SIGTERM" else TERMINATE_GRACE_S
+                logger.warning("%d worker(s) did not stop within %g s; sending %s", len(alive), waited, signame)
             for proc in alive:
                 with contextlib.suppress(OSError):
                     proc.terminate() if signame == "SIGTERM" else proc.kill()
@@ -187,6 +193,31 @@ class WorkerProcesses:
             shutil.rmtree(self._rendezvous_dir, ignore_errors=True)
             self._rendezvous_dir = None
         self.control.close()
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity, which the workers take: mp_start.DriverState)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def warn_if_oversubscribed(ranks: int, cores: int) -> None:
+    """More CPU ranks than cores is legal (the tests run 4 on 2), but each rank then gets a fraction of a core and the
+    price is easy to miss: on a busy 2-core machine the demo request took 1.1 s on 2 ranks and 38 to 47 s on 64, which
+    also took 21 to 24 s to start. Said once per executor, before any rank starts."""
+    if ranks <= cores:
+        return
+    plural = "" if cores == 1 else "s"
+    logger.warning(
+        "%d CPU ranks on %d core%s: each rank gets about %.2g of a core, so start-up and every step are slow (more "
+        "ranks than cores is slower than as many, not faster). Use at most %d rank%s (--num-gpus / num_gpus), or one "
+        "GPU per rank.",
+        ranks,
+        cores,
+        plural,
+        cores / ranks,
+        cores,
+        plural,
+    )
 
 
 @contextlib.contextmanager

@@ -8,6 +8,7 @@ import atexit
 import contextlib
 import ctypes
 import functools
+import gc
 import logging
 import multiprocessing
 import multiprocessing.util
@@ -136,6 +137,13 @@ def worker_main(
     tqdm.set_lock(threading.RLock())
     set_log_rank(rank)
     configure_logging(engine.config.log_level)
+    # What this process holds now is the imported modules (torch, diffusers, ...: about 440,000 objects), forked from
+    # the fork server and shared with it page by page. A full collection walks every tracked object and writes to its
+    # header: a rank's first one (at the latest the one Worker.shutdown runs on the way out) took 0.28 CPU-seconds and
+    # copied 91 MB of shared pages into the rank, and 64 ranks leaving together on 2 cores then overran the driver's
+    # shutdown grace. Frozen, those objects are never collected (they live as long as the process anyway), and a
+    # collection walks only what the rank made itself (about 18,000 objects, 3 ms).
+    gc.freeze()
     rank_info = RankInfo.spawned(rank, engine.world_size, init_method)
     worker: Worker | None = None
     phase = "Worker()"
