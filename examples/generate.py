@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 
 from distvideo import VideoGenerator
+from distvideo.models.embedded import DEMO_EXAMPLE_PROMPT
 
 
 def main() -> None:
@@ -22,13 +23,21 @@ def main() -> None:
         "--model", default=None, help="diffusers-format Wan2.1 folder (default: the embedded demo model)"
     )
     parser.add_argument("--num-gpus", type=int, default=None)
-    parser.add_argument("--prompt", default="a red fox running through fresh snow, golden hour")
+    parser.add_argument(
+        "--prompt",
+        default=None,
+        help="default: a caption of the demo model's grammar without --model, else a scene (a fox in the snow)",
+    )
     parser.add_argument("--output", default="outputs/")
     parser.add_argument("--dist-timeout", type=float, default=600.0)
     args = parser.parse_args()
 
+    # the demo model draws only captions of its grammar (docs/demo-model.md); a real checkpoint draws the scene
+    prompt = args.prompt or (
+        DEMO_EXAMPLE_PROMPT if args.model is None else "a red fox running through fresh snow, golden hour"
+    )
     with VideoGenerator.from_pretrained(args.model, num_gpus=args.num_gpus, dist_timeout=args.dist_timeout) as gen:
-        result = gen.generate(args.prompt, seed=42, output_path=args.output)
+        result = gen.generate(prompt, seed=42, output_path=args.output)
         if gen.is_output_rank:
             print(f"wrote {result.video_path} ({result.timings['total']:.1f} s)")
 

@@ -54,8 +54,8 @@ BAD = [
     (["--num-gpus", "0"], "--num-gpus 0"),
     (["--num-gpus", "8", "--nodes", "3"], "--nodes 3"),
     (["--num-gpus", "2", "--memory-gib", "0"], "--memory-gib 0"),
-    (["--num-gpus", "2", "--height", "33"], "height=33"),
-    (["--num-gpus", "2", "--num-frames", "8"], "num_frames=8"),
+    (["--num-gpus", "2", "--height", "33"], "--height 33"),
+    (["--num-gpus", "2", "--num-frames", "8"], "--num-frames 8"),
     (["--num-gpus", "2", "--model", "/nonexistent/model"], "--model"),
     (["--num-gpus", "2", "--objective", "fastest"], "--objective"),
     ([], "--num-gpus"),
@@ -103,3 +103,57 @@ def test_layout_flag_and_config_key(tmp_path, capsys):
     config.write_text("engine:\n  layout: fastest\n")
     assert main(["generate", "--prompt", "x", "--config", str(config)]) == 2
     assert "layout='fastest' is not supported; choose one of auto, rules" in capsys.readouterr().err
+
+
+def test_a_latency_plan_compares_one_request_and_says_what_each_column_is(capsys):
+    """The demo model on 8 GPUs over 2 nodes: one request on a replica of 2 ranks (replicas 4 x cfg 2) is estimated
+    faster than on all 8, which the latency objective cannot choose (one request runs on every rank). The table lists
+    what the objective may choose first, marks the replica rows as not for latency, says what each figure is, and the
+    reasons name the smaller world that serves one request faster."""
+    args = ["plan", "--num-gpus", "8", "--nodes", "2", "--device", "cuda", "--memory-gib", "80"]
+    assert main([*args, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert set(plan["columns"]) >= {"time_per_step_s", "steps_per_second", "memory_per_rank_bytes", "eligible"}
+    eligible = [c for c in plan["candidates"] if c["eligible"]]
+    assert eligible and all(c["replicas"] == 1 and c["feasible"] for c in eligible)
+    assert plan["chosen"]["time_per_step_s"] == min(c["time_per_step_s"] for c in eligible)
+    faster = min((c for c in plan["candidates"] if c["feasible"]), key=lambda c: c["time_per_step_s"])
+    assert faster["replicas"] > 1 and faster["time_per_step_s"] < plan["chosen"]["time_per_step_s"]
+    assert any(f"one request would run faster on {faster['cfg'] * faster['sp']} ranks" in r for r in plan["reasons"])
+
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "ms/step: one request's denoising step on one replica's ranks; steps/s: all replicas busy" in out
+    rows = [line for line in out.splitlines() if line.startswith(("*", " cfg", " replicas"))]
+    kinds = ["replicas" in row for row in rows]
+    assert kinds == sorted(kinds), "a row the objective may not choose is listed before one it may"
+    assert all("not for latency" in row for row in rows if "replicas" in row)
+    assert "device figures: cuda figures (--device cuda)" in out
+
+
+def test_plan_says_where_its_device_figures_come_from(monkeypatch, capsys):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU visible, whatever this machine has
+    assert main(["plan", "--num-gpus", "4", "--nodes", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "cpu figures because no GPU found on this machine; --device cuda plans for the other kind" in out
+    assert "so --nodes changes no CPU estimate" in out
+
+
+def test_output_to_a_closed_pipe_ends_quietly():
+    """`distvideo plan --json | true`: the reader is gone before plan writes. As Unix tools do, the command ends
+    quietly (no BrokenPipeError, no traceback), with SIGPIPE's exit status 141."""
+    import os
+
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "distvideo", "plan", "--num-gpus", "4", "--json"],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        os.close(write)
+    assert (proc.returncode, proc.stderr) == (141, "")

@@ -30,6 +30,23 @@ def test_grammar_has_every_combination_but_invisible_ones():
         shapes.parse_caption("a red fox running through snow")
 
 
+def test_the_prompt_warning_knows_the_grammar_the_clips_are_drawn_from():
+    """The warning about prompts the demo model cannot draw (models/embedded.py, which runs without the fixture
+    builders) has the dataset's words, and warns about exactly the texts that are not a caption of its grammar."""
+    from distvideo.models.embedded import DEMO_GRAMMAR, DEMO_MODEL_DIR, prompt_warning
+
+    assert DEMO_GRAMMAR == {
+        "color": tuple(shapes.COLORS),
+        "shape": shapes.SHAPES,
+        "direction": tuple(shapes.DIRECTIONS),
+        "background": tuple(shapes.BACKGROUNDS),
+    }
+    assert all(prompt_warning(DEMO_MODEL_DIR, c.text) is None for c in shapes.all_captions())
+    for text in ("a white ball moving left on a white background", "a red cube moving left on a black background"):
+        assert prompt_warning(DEMO_MODEL_DIR, text) is not None
+    assert prompt_warning(DEMO_MODEL_DIR.parent / "tiny-wan", "a red fox") is None  # other models: no grammar
+
+
 def test_clips_are_deterministic_and_vary():
     a = shapes.sample_clip(7, 3)
     b = shapes.sample_clip(7, 3)

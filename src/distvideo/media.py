@@ -220,13 +220,19 @@ def write_array(array: np.ndarray, path: str | Path) -> Path:
         pending.discard()
 
 
-def check_video_output(output_path: str | None, prompt: str, seed: int, width: int, height: int, fps: int) -> Path:
+def check_video_output(
+    output_path: str | None, prompt: str, seed: int, width: int, height: int, fps: int, name: str = "output_path"
+) -> Path:
     """Everything about writing a request's video that can be checked before generating it (the path, the folder,
-    the encoder's settings); ConfigError on a problem, else the path the video would get now."""
+    the encoder's settings); ConfigError naming the parameter as `name` on a problem, else the path the video would
+    get now."""
     target = resolve_output_path(output_path, prompt, seed)
-    check_output_target(target)
+    check_output_target(target, name)
     check_encoder(width, height, fps)
     return target
+
+
+FRAMES_ON_ERROR = "; the frames are on this error (.frames)"  # the API's caller holds it; a command's ends with it
 
 
 def write_video_or_keep_frames(frames: np.ndarray, target: Path, fps: int) -> Path:
@@ -240,8 +246,8 @@ def write_video_or_keep_frames(frames: np.ndarray, target: Path, fps: int) -> Pa
             saved = write_array(frames, fallback)
         except Exception:
             raise VideoWriteError(
-                f"writing {target} failed ({type(exc).__name__}: {exc}) and so did saving the frames beside it; "
-                "the frames are on this error (.frames)",
+                f"writing {target} failed ({type(exc).__name__}: {exc}) and so did saving the frames beside it"
+                + FRAMES_ON_ERROR,
                 None,
                 frames,
             ) from exc

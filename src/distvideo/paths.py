@@ -74,7 +74,8 @@ def first_free(target: Path) -> Path:
 def check_output_target(target: Path, name: str = "output_path") -> None:
     """Refuse (ConfigError, naming the parameter `name`) an output the writer could not create, before any work: a
     folder that is a file, a folder or the nearest existing ancestor not writable, a name too long for the file
-    system."""
+    system. Permission bits do not prove it (root passes `os.access` on a read-only mount or on /sys), so the folder
+    is made and a file created in it, exclusively; what the probe made is removed again."""
     problem = path_problem(str(target))
     if problem:
         raise ConfigError(f"{name} {str(target)!r}: {problem}")
@@ -84,9 +85,31 @@ def check_output_target(target: Path, name: str = "output_path") -> None:
         existing = existing.parent
     if not existing.is_dir():
         raise ConfigError(f"{name} {str(target)!r}: {existing} is not a folder")
+    what = "the folder" if existing == folder else f"{existing}, where its folder would be created,"
     if not os.access(existing, os.W_OK | os.X_OK):
-        what = "the folder" if existing == folder else f"{existing}, where its folder would be created,"
         raise ConfigError(f"{name} {str(target)!r}: {what} is not writable by this user")
+    _prove_writable(folder, existing, f"{name} {str(target)!r}: {what} is not writable")
+
+
+def _prove_writable(folder: Path, existing: Path, refusal: str) -> None:
+    """Make `folder` (below `existing`, the nearest ancestor there is) and an exclusive temporary file in it; remove
+    both again, and raise ConfigError(`refusal` and the OS's reason) when either cannot be made."""
+    made = []
+    try:
+        for parent in reversed([folder, *folder.parents]):
+            if os.path.lexists(parent):
+                continue
+            os.mkdir(parent)
+            made.append(parent)
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".distvideo-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise ConfigError(f"{refusal} ({exc.strerror or exc})") from None
+    finally:
+        for parent in reversed(made):
+            with contextlib.suppress(OSError):  # another writer's file in it meanwhile: theirs to keep
+                os.rmdir(parent)
 
 
 def resolve_lora_path(path: str | Path) -> Path:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -15,9 +17,10 @@ from distvideo.cli.arguments import (
     engine_config_from_args,
 )
 from distvideo.cli.signals import Terminated, install_signal_handlers, restore_signal_handlers
-from distvideo.errors import ConfigError
+from distvideo.errors import ConfigError, VideoWriteError
 
 EXIT_OK, EXIT_RUNTIME, EXIT_BAD_INPUT = 0, 1, 2
+EXIT_BROKEN_PIPE = 128 + 13  # a Unix tool whose reader went away ends by SIGPIPE: `yes | head` gives 141
 
 logger = logging.getLogger("distvideo.cli")
 
@@ -120,7 +123,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return cmd_batch(args)
     from distvideo.executors import resolve_engine
     from distvideo.generator import VideoGenerator
-    from distvideo.media import check_video_output
+    from distvideo.media import FRAMES_ON_ERROR, check_video_output
 
     engine_config, request = configs_from_args(args)
     engine = resolve_engine(engine_config)
@@ -131,10 +134,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if request.save_video and engine.launch is None:  # where its video would go, too (launched ranks: later, together)
         assert request.width is not None and request.height is not None and request.fps is not None
         check_video_output(
-            request.output_path, request.prompt, request.seed, request.width, request.height, request.fps
+            request.output_path, request.prompt, request.seed, request.width, request.height, request.fps, "--output"
         )
     with VideoGenerator.from_engine(engine) as gen:
-        result = gen.generate_request(request)
+        try:
+            result = gen.generate_request(request)
+        except VideoWriteError as exc:
+            if exc.frames_path is None:  # the frames live only on the error, which ends with this command
+                raise VideoWriteError(str(exc).removesuffix(FRAMES_ON_ERROR) + "; the frames are lost") from exc
+            raise
         if gen.is_output_rank and result.video_path:
             print(result.video_path, flush=True)
     return EXIT_OK
@@ -159,6 +167,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(engine_config, options, presets=request_section)
 
 
+def _reader_gone() -> int:
+    """Standard output's reader closed it (`distvideo plan --json | head`): end quietly, as Unix tools do. What is
+    still buffered cannot be written, and Python would report that at exit; stdout points at /dev/null instead."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    return EXIT_BROKEN_PIPE
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from distvideo.logging_utils import configure_logging
 
@@ -171,26 +189,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     # serve stops gracefully on SIGTERM/SIGINT with handlers of its own (distvideo.serving.lifecycle)
     previous_handlers = install_signal_handlers() if args.command != "serve" else {}
     try:
-        if args.command == "serve":
-            return cmd_serve(args)
-        if args.command == "generate":
-            return cmd_generate(args)
-        if args.command == "calibrate":
-            from distvideo.cli.calibrate import cmd_calibrate
-
-            return cmd_calibrate(args)
-        if args.command == "plan":
-            from distvideo.cli.plan import cmd_plan
-
-            return cmd_plan(args)
-        if args.command == "bench":
-            from distvideo.bench.plan import plan_from_args
-
-            plan = plan_from_args(args)  # bad input exits 2 here, before torch is imported or any weight loads
-            from distvideo.bench.run import cmd_bench
-
-            return cmd_bench(args, plan)
-        parser.error(f"unknown command {args.command!r}")
+        code = _run_command(parser, args)
+        sys.stdout.flush()  # a closed pipe shows here (the buffer's last write), not at the interpreter's exit
+        return code
+    except BrokenPipeError:
+        return _reader_gone()
     except ConfigError as exc:
         print(f"distvideo: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -204,4 +207,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_RUNTIME
     finally:
         restore_signal_handlers(previous_handlers)
-    return EXIT_OK
+
+
+def _run_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    if args.command == "serve":
+        return cmd_serve(args)
+    if args.command == "generate":
+        return cmd_generate(args)
+    if args.command == "calibrate":
+        from distvideo.cli.calibrate import cmd_calibrate
+
+        return cmd_calibrate(args)
+    if args.command == "plan":
+        from distvideo.cli.plan import cmd_plan
+
+        return cmd_plan(args)
+    if args.command == "bench":
+        from distvideo.bench.plan import plan_from_args
+
+        plan = plan_from_args(args)  # bad input exits 2 here, before torch is imported or any weight loads
+        from distvideo.bench.run import cmd_bench
+
+        return cmd_bench(args, plan)
+    parser.error(f"unknown command {args.command!r}")
+    return EXIT_BAD_INPUT

@@ -60,6 +60,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from distvideo.models.hub import resolve_model
     from distvideo.models.registry import probe_model
     from distvideo.parallel.planner import plan_for
+    from distvideo.config import Naming
     from distvideo.request import GenerationRequest
 
     _check(args)
@@ -69,7 +70,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     # the layout, and is never read)
     image = "(placeholder)" if model.family.image == IMAGE_REQUIRED else None
     sizes = {k: getattr(args, k) for k in ("height", "width", "num_frames", "guidance_scale")}
-    request = GenerationRequest(prompt="plan", image=image, **sizes)
+    request = GenerationRequest(prompt="plan", image=image, **sizes, naming=Naming("flag"))
     request = model.resolve_request(request, read_image=False)
     memory = int(args.memory_gib * 2**30) if args.memory_gib else None
     plan = plan_for(
@@ -84,7 +85,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     )
     from distvideo.parallel.planner import device_figures, device_kind
 
-    hardware = device_figures(device_kind(args.device), args.num_gpus // args.nodes, memory)
+    kind = device_kind(args.device)
+    hardware = device_figures(kind, args.num_gpus // args.nodes, memory)
     header = {
         "model": str(model.path),
         "family": model.family.name,
@@ -92,12 +94,36 @@ def cmd_plan(args: argparse.Namespace) -> int:
         "world": args.num_gpus,
         "nodes": args.nodes,
         "hardware": dataclasses.asdict(hardware),
+        "hardware_note": hardware_note(kind, args.device, args.nodes),
+        "columns": COLUMNS,
     }
     if args.json:
         print(json.dumps(plan_json(plan, header), indent=2))
     else:
         print(plan_text(plan, header, args.top))
     return 0
+
+
+#: what each figure of a row is (the JSON's rows and the table's columns)
+COLUMNS = {
+    "time_per_step_s": "one request's denoising step, on the ranks of one replica (both CFG branches)",
+    "steps_per_second": "denoising steps per second over all replicas, every replica busy with a request of its own",
+    "memory_per_rank_bytes": "on the busiest rank (the output rank): weights, working set, video",
+    "eligible": "whether the objective may choose it (latency: one request on every rank, so no replicas)",
+}
+
+
+def hardware_note(kind: str, device: str | None, nodes: int) -> str:
+    """Where the device figures came from, and how to ask for others."""
+    if device is None:
+        found = "a GPU found on this machine" if kind == "cuda" else "no GPU found on this machine"
+        other = "--device cpu" if kind == "cuda" else "--device cuda"
+        note = f"{kind} figures because {found}; {other} plans for the other kind"
+    else:
+        note = f"{kind} figures (--device {device})"
+    if kind == "cpu" and nodes > 1:
+        note += "; the CPU figures assume the same link inside and across nodes, so --nodes changes no CPU estimate"
+    return note
 
 
 def flags(shape: Any) -> str:
@@ -115,14 +141,21 @@ def milliseconds(seconds: float) -> str:
     return f"{ms:,.0f}" if ms >= 100 else f"{ms:.3g}"
 
 
+def per_second(rate: float) -> str:
+    """A rate as a person reads it: 0.52, 81.9 or 19,900 (no exponent)."""
+    return f"{rate:,.0f}" if rate >= 100 else f"{rate:.3g}"
+
+
 def plan_json(plan: Any, header: dict[str, Any]) -> dict[str, Any]:
     def row(c: Any) -> dict[str, Any]:
         return {
             **dataclasses.asdict(c.shape),
             "sp": c.shape.sp,
             "time_per_step_s": c.time,
+            "steps_per_second": c.requests_per_second,
             "memory_per_rank_bytes": c.memory,
             "feasible": c.feasible,
+            "eligible": eligible(c, plan.objective),
             "why": c.why,
             "parts_s": c.parts,
         }
@@ -137,6 +170,11 @@ def plan_json(plan: Any, header: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def eligible(c: Any, objective: str) -> bool:
+    """Whether the objective may choose the row: latency runs one request on every rank (no replicas)."""
+    return bool(c.feasible) and (objective != "latency" or c.shape.replicas == 1)
+
+
 def plan_text(plan: Any, header: dict[str, Any], top: int) -> str:
     from distvideo.parallel.autolayout import gib
 
@@ -147,11 +185,14 @@ def plan_text(plan: Any, header: dict[str, Any], top: int) -> str:
         f"world: {header['world']} ranks on {header['nodes']} node(s); {hw['kind']} figures (assumed, "
         f"docs/parallel.md): {hw['flops'] / 1e12:.3g} TFLOP/s, {gib(hw['memory_bytes'])} per rank, links "
         f"{hw['intra_bandwidth'] / 1e9:.3g} / {hw['inter_bandwidth'] / 1e9:.3g} GB/s inside / across nodes",
+        f"device figures: {header['hardware_note']}",
         "",
         f"chosen ({plan.objective}): {c.shape.describe()}: est. {milliseconds(c.time)} ms/step, {gib(c.memory)} per rank",
         f"  as flags: {flags(c.shape)}",
         "",
-        f"{'layout':<52} {'ms/step':>10} {'memory/rank':>12}  {'feasible':<8}  why",
+        "ms/step: one request's denoising step on one replica's ranks; steps/s: all replicas busy, each with its own "
+        "request; memory: the busiest rank",
+        f"{'layout':<52} {'ms/step':>10} {'steps/s':>9} {'memory/rank':>12}  {'feasible':<8}  why",
     ]
     # a sharded variant of a layout that fits unsharded is never chosen: left out of the table (not of --json)
     fits = {
@@ -162,17 +203,27 @@ def plan_text(plan: Any, header: dict[str, Any], top: int) -> str:
         for x in plan.candidates
         if x.shape.shard == "none" or (x.shape.replicas, x.shape.cfg, x.shape.ulysses) not in fits
     ]
-    shown = [c, *[x for x in listed if x is not c][: top - 1]]  # the chosen first, then by time
+    # the chosen first, then what the objective may choose (by time), then what it may not
+    others = sorted((x for x in listed if x is not c), key=lambda x: not eligible(x, plan.objective))
+    shown = [c, *others[: top - 1]]
     for x in shown:
-        why = x.why or ("chosen" if x is c else f"{x.time / c.time:.2f}x the chosen's time")
-        if x.why == "" and x.shape.replicas > 1 and plan.objective == "latency":
-            why += f"; replicas: {x.requests_per_second / c.requests_per_second:.2f}x the requests/s"
-        mark = "*" if x is c else " "
         lines.append(
-            f"{mark}{x.shape.describe():<51} {milliseconds(x.time):>10} {gib(x.memory):>12}  "
-            f"{'yes' if x.feasible else 'no':<8}  {why}"
+            f"{'*' if x is c else ' '}{x.shape.describe():<51} {milliseconds(x.time):>10} "
+            f"{per_second(x.requests_per_second):>9} {gib(x.memory):>12}  {'yes' if x.feasible else 'no':<8}  "
+            f"{_why(x, c, plan.objective)}"
         )
     if len(listed) > len(shown):
         lines.append(f"  ... {len(listed) - len(shown)} more (--top N); --json lists all, sharded variants included")
     lines += ["", "why:", *(f"  - {r}" for r in plan.reasons)]
     return "\n".join(lines)
+
+
+def _why(x: Any, chosen: Any, objective: str) -> str:
+    if x is chosen:
+        return "chosen"
+    if x.why:
+        return str(x.why)
+    ratios = f"{x.time / chosen.time:.2f}x the chosen's step time, {x.requests_per_second / chosen.requests_per_second:.2f}x its steps/s"
+    if not eligible(x, objective):
+        return f"not for latency: replicas run separate requests; {ratios} (--objective throughput)"
+    return ratios

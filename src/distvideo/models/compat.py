@@ -32,14 +32,12 @@ _DIFFUSERS_NAMES = {
     "diffusers.models.autoencoders.autoencoder_kl_wan": ("WanCausalConv3d", "WanAttentionBlock", "WanRMS_norm"),
     "diffusers.pipelines.wan.pipeline_wan": ("prompt_clean",),
 }
-# attributes of diffusers objects read or written: (class, attribute, how it is checked)
+# attributes of diffusers objects read or written: (module, class, attribute). HunyuanVideo 1.5's pipeline attributes
+# are checked where they are taken (hunyuan15_text_encoders, hunyuan15_image_encoders): importing its image-to-video
+# module imports transformers' SigLIP image processor, which warns about torchvision on every Wan run otherwise
 _DIFFUSERS_ATTRIBUTES = (
     ("diffusers.models.transformers.transformer_wan", "WanAttnProcessor", "_attention_backend"),
     ("diffusers.models.transformers.transformer_wan", "WanAttnProcessor", "_parallel_config"),
-    (_HV15_PIPELINE, "HunyuanVideo15Pipeline", "_get_mllm_prompt_embeds"),
-    (_HV15_PIPELINE, "HunyuanVideo15Pipeline", "_get_byt5_prompt_embeds"),
-    (_HV15_I2V_PIPELINE, "HunyuanVideo15ImageToVideoPipeline", "_get_image_latents"),
-    (_HV15_I2V_PIPELINE, "HunyuanVideo15ImageToVideoPipeline", "_get_image_embeds"),
 )
 
 
@@ -75,7 +73,8 @@ def check_private_names() -> None:
     for module_name, cls_name, attribute in _DIFFUSERS_ATTRIBUTES:
         try:
             cls = getattr(importlib.import_module(module_name), cls_name, None)
-        except ImportError:  # a family newer than this diffusers (HunyuanVideo 1.5 before 0.36): checked at its load
+        except ImportError:
+            missing.append(module_name)
             continue
         if cls is not None and not hasattr(cls, attribute):
             missing.append(f"{module_name}.{cls_name}.{attribute}")
@@ -86,16 +85,50 @@ def check_private_names() -> None:
     if not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
         missing.append(f"torch.ops.aten._scaled_dot_product_flash_attention_for_cpu (torch {torch.__version__})")
     if missing:
-        (lo_major, lo_minor), (hi_major, hi_minor) = TESTED_DIFFUSERS
-        raise UnsupportedLibraryError(
-            f"diffusers {version} lacks what distvideo's plans use: {', '.join(missing)}. distvideo is tested with "
-            f"diffusers {lo_major}.{lo_minor} to {hi_major}.{hi_minor}: install one of those, e.g. "
-            f"pip install 'diffusers>={lo_major}.{lo_minor},<{hi_major}.{hi_minor + 1}'"
-        )
+        raise _unsupported(missing)
     if not TESTED_DIFFUSERS[0] <= _version_tuple(version) <= TESTED_DIFFUSERS[1]:
         logger.warning(
             "diffusers %s is outside the versions distvideo was tested with; its private names are present", version
         )
+
+
+def _unsupported(missing: list[str]) -> UnsupportedLibraryError:
+    import diffusers
+
+    (lo_major, lo_minor), (hi_major, hi_minor) = TESTED_DIFFUSERS
+    return UnsupportedLibraryError(
+        f"diffusers {diffusers.__version__} lacks what distvideo's plans use: {', '.join(missing)}. distvideo is "
+        f"tested with diffusers {lo_major}.{lo_minor} to {hi_major}.{hi_minor}: install one of those, e.g. "
+        f"pip install 'diffusers>={lo_major}.{lo_minor},<{hi_major}.{hi_minor + 1}'"
+    )
+
+
+@contextlib.contextmanager
+def _transformers_quiet() -> Iterator[None]:
+    """transformers' own warnings (its verbosity) at error level for the block."""
+    from transformers.utils import logging as transformers_logging
+
+    level = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        transformers_logging.set_verbosity(level)
+
+
+def _static_methods(module_name: str, cls_name: str, *names: str) -> tuple[Callable[..., Any], ...]:
+    """The named attributes of a diffusers class, or UnsupportedLibraryError naming each one that is missing."""
+    import importlib
+
+    try:
+        with _transformers_quiet():  # its image processor's torchvision fallback: nothing a user need act on
+            cls = getattr(importlib.import_module(module_name), cls_name)
+    except (ImportError, AttributeError):
+        raise _unsupported([f"{module_name}.{cls_name}"]) from None
+    missing = [f"{module_name}.{cls_name}.{name}" for name in names if not hasattr(cls, name)]
+    if missing:
+        raise _unsupported(missing)
+    return tuple(getattr(cls, name) for name in names)
 
 
 # --- diffusers: Wan transformer -------------------------------------------------------------------------------------
@@ -168,19 +201,19 @@ def hunyuan15_text_encoders() -> tuple[Callable[..., Any], Callable[..., Any]]:
     """diffusers' HunyuanVideo 1.5 text encodings, its pipeline's static ``_get_mllm_prompt_embeds`` (Qwen2.5-VL over
     the chat template, the system prompt cropped) and ``_get_byt5_prompt_embeds`` (the quoted glyph texts through
     ByT5), for parity with HunyuanVideo15Pipeline."""
-    from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import HunyuanVideo15Pipeline as pipeline
-
-    return pipeline._get_mllm_prompt_embeds, pipeline._get_byt5_prompt_embeds
+    mllm, byt5 = _static_methods(
+        _HV15_PIPELINE, "HunyuanVideo15Pipeline", "_get_mllm_prompt_embeds", "_get_byt5_prompt_embeds"
+    )
+    return mllm, byt5
 
 
 def hunyuan15_image_encoders() -> tuple[Callable[..., Any], Callable[..., Any]]:
     """diffusers' HunyuanVideo 1.5 image conditioning, its image-to-video pipeline's static ``_get_image_latents``
     (the VAE's mode of the resized image, times the scaling factor) and ``_get_image_embeds`` (SigLIP's tokens)."""
-    from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5_image2video import (
-        HunyuanVideo15ImageToVideoPipeline as pipeline,
+    latents, embeds = _static_methods(
+        _HV15_I2V_PIPELINE, "HunyuanVideo15ImageToVideoPipeline", "_get_image_latents", "_get_image_embeds"
     )
-
-    return pipeline._get_image_latents, pipeline._get_image_embeds
+    return latents, embeds
 
 
 # --- torch ----------------------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 _ASSETS = Path(__file__).resolve().parent.parent / "assets"
@@ -27,6 +28,46 @@ def example_prompt(model_dir: Path, takes_image: bool) -> str:
     if model_dir.resolve() == DEMO_MODEL_DIR.resolve():
         return DEMO_EXAMPLE_PROMPT
     return IMAGE_EXAMPLE_PROMPT if takes_image else GENERIC_EXAMPLE_PROMPT
+
+
+#: The demo model's caption grammar, word lists in order (docs/demo-model.md); distvideo.testing.shapes renders clips
+#: of it with a colour for each word (tests/test_shapes_dataset.py checks that the two agree).
+DEMO_GRAMMAR = {
+    "color": ("red", "green", "blue", "yellow", "white"),
+    "shape": ("ball", "square", "triangle"),
+    "direction": ("left", "right", "up", "down"),
+    "background": ("black", "gray", "white"),
+}
+DEMO_CAPTION = re.compile(r"^a (\w+) (\w+) moving (\w+) on a (\w+) background$")
+
+
+def demo_grammar() -> str:
+    """The demo model's caption grammar, as a person reads it."""
+    c, s, d, b = ("{" + "|".join(words) + "}" for words in DEMO_GRAMMAR.values())
+    return f"a {c} {s} moving {d} on a {b} background"
+
+
+def prompt_warning(model_dir: Path, prompt: str) -> str | None:
+    """A warning for a prompt the model cannot draw: the demo model knows only its grammar (it draws an arbitrary blob
+    for anything else, and nothing visible for a shape of the background's colour); None for a caption of it, and for
+    every other model."""
+    if model_dir.resolve() != DEMO_MODEL_DIR.resolve():
+        return None
+    match = DEMO_CAPTION.match(prompt.strip())
+    if match:
+        words = match.groups()
+        if all(w in allowed for w, allowed in zip(words, DEMO_GRAMMAR.values(), strict=True)) and words[0] != words[3]:
+            return None
+    return (
+        f"the demo model knows only captions of its grammar, '{demo_grammar()}' (docs/demo-model.md; the shape's "
+        f"colour is not the background's), and draws an arbitrary blob for the prompt {prompt[:80]!r}; try "
+        f"{DEMO_EXAMPLE_PROMPT!r}, or use a real checkpoint (--model) for other prompts"
+    )
+
+
+def packaged_model(path: Path) -> bool:
+    """Whether `path` is one of the models shipped inside the installed package (its files are the package's)."""
+    return path.resolve().parent == _ASSETS
 
 
 def _shipped(path: Path, what: str, remedy: str) -> Path:

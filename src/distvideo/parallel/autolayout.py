@@ -291,7 +291,25 @@ def choose(found: list[Candidate], hw: Hardware, world: int, objective: str = "l
     near = [c for c in pool if score(c) <= best * (1 + NEAR)]
     chosen = min(near, key=lambda c: _preference(c, world, hw, score))
     reasons += _why_this_shape(chosen, near, found, best, world, hw)
+    if objective == "latency":
+        reasons += _fewer_ranks_faster(chosen, found)
     return Plan(chosen, found, reasons, objective)
+
+
+def _fewer_ranks_faster(chosen: Candidate, found: list[Candidate]) -> list[str]:
+    """Under the latency objective: when one request would run faster on a replica's fewer ranks than on all of them
+    (a model too small for the world's collectives), say so, with what would use the ranks better."""
+    faster = [c for c in found if c.feasible and c.shape.replicas > 1 and c.time * (1 + NEAR) < chosen.time]
+    if not faster:
+        return []
+    best = min(faster, key=lambda c: (c.time, c.shape.replicas))
+    size = best.shape.replica_size
+    return [
+        f"one request would run faster on {size} ranks ({best.shape.describe()}: est. {seconds(best.time)} per step "
+        f"against {seconds(chosen.time)} on all {chosen.shape.replica_size}): the collectives of the larger layout "
+        f"cost more than they save for this model and request. Run {size} ranks (--num-gpus {size}) for one request "
+        "at a time, or replicas for many (--objective throughput; batches and services)"
+    ]
 
 
 def _preference(c: Candidate, world: int, hw: Hardware, score: Callable[[Candidate], float]) -> tuple[Any, ...]:

@@ -131,6 +131,9 @@ class Video(BaseModel):
     guidance_scale: float
     negative_prompt: str | None = None
     lora: LoraApplied | None = None
+    warnings: list[str] = Field(
+        default_factory=list, description="what the request asks of the model that it cannot do well (the prompt)"
+    )
     error: VideoError | None = None
 
     @classmethod

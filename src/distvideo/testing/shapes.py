@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import re
 
 import numpy as np
+
+from distvideo.models.embedded import DEMO_CAPTION
 
 __all__ = [
     "BACKGROUNDS",
@@ -60,7 +61,7 @@ MAX_TRAVEL = 0.6
 #: Half-size of a shape (radius of a ball, half the side of a square), as a fraction of the frame's smaller side.
 SIZE_RANGE = (0.13, 0.22)
 
-_CAPTION = re.compile(r"^a (\w+) (\w+) moving (\w+) on a (\w+) background$")
+_CAPTION = DEMO_CAPTION
 
 
 @dataclasses.dataclass(frozen=True)
