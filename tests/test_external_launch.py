@@ -217,7 +217,7 @@ def test_num_gpus_mismatch_is_refused(launcher, tmp_path):
     argv = ["-m", "distvideo", "generate", "--prompt", "x", "--num-gpus", "3", "--output", str(tmp_path), *SMALL]
     proc = run_launcher(launcher, argv, nproc=2, timeout=300)
     assert proc.returncode != 0
-    assert "num_gpus=3" in proc.stderr and "started 2 processes" in proc.stderr
+    assert "--num-gpus 3 but" in proc.stderr and "started 2 processes; give --num-gpus 2" in proc.stderr
     assert list(tmp_path.iterdir()) == []
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from distvideo import ConfigError
 from distvideo.cli.main import main
+from distvideo.config import Naming
 from distvideo.models.registry import probe_model
 from distvideo.request import GenerationRequest
 from family_checkpoints import family_checkpoint, test_image
@@ -81,8 +82,10 @@ def test_image_to_a_text_only_model_names_the_family(tiny_model, tmp_path_factor
 @pytest.mark.parametrize("family", ["wan21_i2v", "wan22_i2v_a14b"])
 def test_missing_image_for_an_image_to_video_model_names_the_family(tmp_path_factory, family):
     info = probe_model(family_checkpoint(tmp_path_factory, family))
-    with pytest.raises(ConfigError, match=rf"^image: .*{FAMILY_NAMES[family]} .*--image PATH"):
+    with pytest.raises(ConfigError, match=rf"^image: .*{FAMILY_NAMES[family]} .*as image= \(a path"):
         info.resolve_request(GenerationRequest(prompt="a fox"))
+    with pytest.raises(ConfigError, match=rf"^--image: .*{FAMILY_NAMES[family]} .*as --image PATH$"):
+        info.resolve_request(GenerationRequest(prompt="a fox", naming=Naming("flag")))
 
 
 def test_ti2v_takes_an_image_or_none(tmp_path_factory):

@@ -15,7 +15,7 @@ import yaml
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from distvideo.config import EngineConfig, LoraSpec
+from distvideo.config import EngineConfig, LoraSpec, option_fields
 from distvideo.config_files import load_config_file
 from distvideo.errors import ConfigError
 from distvideo.models.registry import probe_model
@@ -34,7 +34,7 @@ anything = st.one_of(
     st.dictionaries(st.text(max_size=5), st.integers(), max_size=2),
 )
 small_ints = st.one_of(st.none(), st.integers(min_value=-5, max_value=130))
-REQUEST_FIELDS = [f for f in GenerationRequest.__dataclass_fields__ if f not in ("save_video", "return_frames")]
+REQUEST_FIELDS = [f.name for f in option_fields(GenerationRequest) if f.name not in ("save_video", "return_frames")]
 
 
 @pytest.fixture(scope="module")
@@ -209,7 +209,7 @@ def test_cli_arguments_validate_or_raise_config_error(model_info, pairs):
 
 
 # --- config files ---------------------------------------------------------------------------------------------------
-ENGINE_KEYS = [*EngineConfig.__dataclass_fields__, "num_gpu", "Executor"]
+ENGINE_KEYS = [*(f.name for f in option_fields(EngineConfig)), "num_gpu", "Executor", "naming"]  # (naming: no option)
 REQUEST_KEYS = [*REQUEST_FIELDS, "steps", "prompts"]
 sections = st.fixed_dictionaries(
     {},

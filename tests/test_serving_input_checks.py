@@ -91,8 +91,10 @@ def test_a_missing_lora_adapter_file_exits_2_before_anything_is_created(tmp_path
 def app(tmp_path):
     """The HTTP app over a real store and queue, serving tiny-wan's metadata (no engine: nothing runs the jobs)."""
 
-    def build(*, takes_image: bool = False, max_prompt_chars: int = 4000) -> tuple[TestClient, Service, Path]:
-        model = probe_model(TINY)
+    def build(
+        *, takes_image: bool = False, max_prompt_chars: int = 4000, model_dir: Path = TINY
+    ) -> tuple[TestClient, Service, Path]:
+        model = probe_model(model_dir)
         if takes_image:  # tiny-wan's metadata, as the family that takes an optional first frame
             model = dataclasses.replace(model, family=WAN22_TI2V_5B)
         output = tmp_path / "out"
@@ -102,7 +104,7 @@ def app(tmp_path):
         store = JobStore(output / STORE_NAME)
         admission = Admission(
             model=model,
-            model_id=TINY.name,
+            model_id=model_dir.name,
             limits=ServeLimits(max_prompt_chars=max_prompt_chars),
             output=output,
         )
@@ -213,6 +215,7 @@ def test_an_oversized_image_is_a_4xx_naming_input_reference(app):
     response = post_image(client, bomb_png())
     assert 400 <= response.status_code < 500, response.text  # needs distvideo.images to refuse it as a ConfigError
     assert response.json()["error"]["param"] == "input_reference", response.text
+    assert str(output) not in response.text, "the error shows the client a path of the server"
     assert not list(output.glob("*.input"))
 
 
@@ -225,6 +228,7 @@ def test_an_image_the_loader_refuses_is_a_422_naming_input_reference(app, monkey
     monkeypatch.setattr(Admission, "admit", refuses)
     response = post_image(client, bomb_png(64, 64))
     assert response.status_code == 422 and response.json()["error"]["param"] == "input_reference", response.text
+    assert response.json()["error"]["message"] == "image: the uploaded file is too large to read", response.text
     assert not list(output.glob("*.input"))
 
 
@@ -243,3 +247,17 @@ def test_an_output_holding_a_file_that_is_no_job_store_exits_2_naming_output(tmp
         done = serve("--port", "0", "--output", str(out))
         assert done.returncode == 2, done.stderr
         assert f"--output {out}: its {STORE_NAME} is not a job store this server can use" in done.stderr, done.stderr
+
+
+def test_a_prompt_the_demo_model_cannot_draw_is_warned_about_in_the_response(app):
+    """The demo model knows only its grammar: the job's object says so, naming it; a caption of it gets no warning."""
+    from distvideo.models.embedded import DEMO_EXAMPLE_PROMPT, DEMO_MODEL_DIR
+
+    client, _, _ = app(model_dir=DEMO_MODEL_DIR)
+    fox = client.post("/v1/videos", json={"prompt": "a red fox running through snow", "num_inference_steps": 2})
+    assert fox.status_code == 200, fox.text
+    (warning,) = fox.json()["warnings"]
+    assert "the demo model knows only captions of its grammar" in warning and "{ball|square|triangle}" in warning
+    assert client.get(f"/v1/videos/{fox.json()['id']}").json()["warnings"] == [warning]  # kept with the job
+    ball = client.post("/v1/videos", json={"prompt": DEMO_EXAMPLE_PROMPT, "num_inference_steps": 2})
+    assert ball.status_code == 200 and ball.json()["warnings"] == [], ball.text

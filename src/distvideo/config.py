@@ -1,14 +1,19 @@
-"""Typed engine configuration: how the engine runs (EngineConfig, with its LoRA adapters as LoraSpec).
+"""Typed engine configuration: how the engine runs (EngineConfig, with its LoRA adapters as LoraSpec), and the names
+every option answers to (ALIASES, Naming).
 
 Bad input anywhere (flags, files, API arguments) raises :class:`ConfigError`, which the CLI maps
-to exit code 2; its message names the parameter, the value seen and what would work. The request is
-distvideo.request, config files distvideo.config_files.
+to exit code 2; its message names the parameter as the user gave it, the value seen and what would work. The
+request is distvideo.request, config files distvideo.config_files.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import json
 import math
+import shlex
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +30,113 @@ DEVICE_TYPES = (
     *("vulkan", "mps", "meta", "hpu", "mtia", "privateuseone"),
 )
 OFFLOAD_MODES = ("none", "text", "model")  # what waits in host memory until its stage (pipelines/offload.py)
+
+
+# -- the names of an option ------------------------------------------------------------------------------------------
+# An option is one field of EngineConfig or GenerationRequest: its name is the API keyword and the config-file key,
+# its flag the name with dashes (num_gpus -> --num-gpus).
+#: The one alias table: option -> (its flag where it is shorter, the other keys a config file or a prompt file may
+#: use for it). Such an option's flag also answers in the name's own dashed form (--num-inference-steps).
+ALIASES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "num_inference_steps": ("--steps", ("steps",)),
+    "output_path": ("--output", ("output",)),
+}
+
+
+def flag_of(name: str) -> str:
+    """The flag of option `name`: `--num-gpus`, `--steps`."""
+    return ALIASES[name][0] if name in ALIASES else "--" + name.replace("_", "-")
+
+
+def flags_of(name: str) -> tuple[str, ...]:
+    """Every flag option `name` answers to, its own first: (`--steps`, `--num-inference-steps`)."""
+    return tuple(dict.fromkeys((flag_of(name), "--" + name.replace("_", "-"))))
+
+
+def keys_of(name: str) -> tuple[str, ...]:
+    """Every key option `name` answers to in a config file or a prompt file, its own first: (`num_inference_steps`,
+    `steps`)."""
+    return (name, *(ALIASES[name][1] if name in ALIASES else ()))
+
+
+def option_for_key(key: str, names: Iterable[str]) -> str | None:
+    """The option among `names` that `key` names (the option itself or one of its aliases), else None."""
+    return next((name for name in names if key in keys_of(name)), None)
+
+
+def did_you_mean(key: Any, names: Iterable[str], prefix: str = "") -> str:
+    """` (did you mean 'request.num_frames'?)` for the key nearest to `key` among `names` and their aliases (written
+    after `prefix`), else ''."""
+    close = difflib.get_close_matches(str(key), [k for name in names for k in keys_of(name)], n=1, cutoff=0.6)
+    return f" (did you mean '{prefix}{close[0]}'?)" if close else ""
+
+
+NAMING_STYLES = ("keyword", "flag", "json")
+
+
+@dataclass(frozen=True)
+class Naming:
+    """How the user gave the options of one EngineConfig or GenerationRequest, so that its errors name each option as
+    it was typed. `style`: "keyword" (the Python API, the default: `height=100000`), "flag" (the command line:
+    `--height 100000`) or "json" (the fields of an HTTP body: `height=100000`; the client may be on another machine,
+    so advice names no path of this one); `given`: an option's own label where it differs from the style's, e.g. a
+    config file's key (`--config c.yaml: request.steps`) or a prompt-file item's (`steps`)."""
+
+    style: str = "keyword"
+    given: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.style not in NAMING_STYLES:
+            raise ValueError(f"Naming style {self.style!r}: choose one of {', '.join(NAMING_STYLES)}")
+
+    def label(self, name: str) -> str:
+        """Option `name` as the user named it: `height`, `--height`, `--config c.yaml: request.height`."""
+        if name in self.given:
+            return self.given[name]
+        return flag_of(name) if self.style == "flag" else name
+
+    def subject(self, name: str, value: Any) -> str:
+        """What an error is about: the option with the value seen, as typed (`height=100000`, `--height 100000`,
+        `--config c.yaml: request.height=100000`)."""
+        label = self.label(name)
+        if label.startswith("--") and " " not in label:
+            return f"{label} {_flag_value(value)}"
+        return f"{label}={_json_value(value) if self.style == 'json' else repr(value)}"
+
+    def setting(self, name: str, value: Any) -> str:
+        """How this user gives option `name` the value `value` (for advice): `num_gpus=2`, `--num-gpus 2`,
+        `"num_gpus": 2`."""
+        if self.style == "flag":
+            return f"{flag_of(name)} {_flag_value(value)}"
+        if self.style == "json":
+            return f'"{self.label(name)}": {_json_value(value)}'
+        return f"{name}={value!r}"
+
+    def with_given(self, labels: Mapping[str, str]) -> Naming:
+        return Naming(self.style, {**self.given, **labels})
+
+    @classmethod
+    def of(cls, value: Naming | Mapping[str, Any] | None) -> Naming:
+        """A Naming from itself or its JSON form (`dataclasses.asdict` of a request, as the serving channel sends it)."""
+        if isinstance(value, Naming):
+            return value
+        return cls(**value) if value else cls()
+
+
+def _flag_value(value: Any) -> str:
+    return shlex.quote(value) if isinstance(value, str) else str(value)
+
+
+def _json_value(value: Any) -> str:
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def option_fields(cls: type) -> list[dataclasses.Field[Any]]:
+    """The options of a config dataclass: its fields but `naming` (which says how they were given)."""
+    return [f for f in dataclasses.fields(cls) if f.name != "naming"]
 
 
 def _option(help: str, default: Any = None, **cli: Any) -> Any:
@@ -135,6 +247,8 @@ class EngineConfig:
         "executor='ray': the cluster to join, 'auto' or HOST:PORT (default: a running cluster, else a local one on "
         "127.0.0.1)"
     )
+    # how the options were given, so that errors name them so (not an option: not compared, not shown)
+    naming: Naming = field(default_factory=Naming, repr=False, compare=False, kw_only=True)
 
     def with_defaults(self) -> EngineConfig:
         """A copy where the switches left None take the environment's defaults (the one place they are read)."""
@@ -163,72 +277,100 @@ class EngineConfig:
         ]
         for present, name, why in conflicts:
             if present:
-                raise ConfigError(f"shard_weights={self.shard_weights!r} with {name}: not supported together ({why})")
+                raise ConfigError(
+                    f"{self.naming.subject('shard_weights', self.shard_weights)} with {self.naming.label(name)}: not "
+                    f"supported together ({why})",
+                    param="shard_weights",
+                )
 
     def validate(self) -> None:
-        for f in dataclasses.fields(self):  # executor, dtype, offload, log_level (in any case)
+        n = self.naming
+        for f in option_fields(EngineConfig):  # executor, dtype, offload, log_level (in any case)
             value, choices = getattr(self, f.name), f.metadata.get("choices")
             seen = str(value).upper() if f.name == "log_level" else value
             if choices and value is not None and seen not in choices:
-                raise ConfigError(f"{f.name}={value!r} is not supported; choose one of {', '.join(choices)}")
+                raise ConfigError(
+                    f"{n.subject(f.name, value)} is not supported; choose one of {', '.join(choices)}", param=f.name
+                )
         if self.num_gpus is not None and self.num_gpus < 1:
-            raise ConfigError(f"num_gpus={self.num_gpus} must be >= 1 (the number of ranks)")
+            raise ConfigError(
+                f"{n.subject('num_gpus', self.num_gpus)} must be >= 1 (the number of ranks)", param="num_gpus"
+            )
         if self.lora_cache_mb is not None and (
             isinstance(self.lora_cache_mb, bool) or not isinstance(self.lora_cache_mb, int) or self.lora_cache_mb < 0
         ):
-            raise ConfigError(f"lora_cache_mb={self.lora_cache_mb!r} must be a whole number of MiB, 0 or more")
-        if self.sp_size is not None and self.sp_size < 1:
-            raise ConfigError(f"sp_size={self.sp_size} must be >= 1")
-        if self.replicas is not None and self.replicas < 1:
-            raise ConfigError(f"replicas={self.replicas} must be >= 1")
+            raise ConfigError(
+                f"{n.subject('lora_cache_mb', self.lora_cache_mb)} must be a whole number of MiB, 0 or more",
+                param="lora_cache_mb",
+            )
+        for name in ("sp_size", "replicas"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{n.subject(name, value)} must be >= 1", param=name)
         self._validate_usp()
         self._validate_sharding()
         if self.dist_timeout is not None and not (self.dist_timeout > 0 and math.isfinite(self.dist_timeout)):
-            raise ConfigError(f"dist_timeout={self.dist_timeout} must be a positive, finite number of seconds")
+            raise ConfigError(
+                f"{n.subject('dist_timeout', self.dist_timeout)} must be a positive, finite number of seconds",
+                param="dist_timeout",
+            )
         if self.ray_address is not None:
-            _check_ray_address(self.executor, self.ray_address)
+            _check_ray_address(n, self.executor, self.ray_address)
         if self.device is not None:
-            _check_device(self.device)
+            _check_device(n, self.device)
         for spec in self.lora:
             if not 0.0 <= abs(spec.strength) < 1e6:
-                raise ConfigError(f"lora strength {spec.strength} for {spec.path} is not a finite number")
+                raise ConfigError(f"lora strength {spec.strength} for {spec.path} is not a finite number", param="lora")
             if spec.target not in LORA_TARGETS:
                 raise ConfigError(
-                    f"lora target {spec.target!r} for {spec.path}: choose one of {', '.join(LORA_TARGETS)}"
+                    f"lora target {spec.target!r} for {spec.path}: choose one of {', '.join(LORA_TARGETS)}",
+                    param="lora",
                 )
 
     def _validate_usp(self) -> None:
         """ulysses_size and ring_size: whole numbers >= 1 multiplying to sp_size (when all are given)."""
+        n = self.naming
         for name in ("ulysses_size", "ring_size"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ConfigError(f"{name}={value!r} must be a whole number >= 1 (sp_size = ulysses_size x ring_size)")
+                raise ConfigError(
+                    f"{n.subject(name, value)} must be a whole number >= 1 (sp_size = ulysses_size x ring_size)",
+                    param=name,
+                )
         u, r, sp = self.ulysses_size, self.ring_size, self.sp_size
         if u is not None and r is not None and sp is not None and u * r != sp:
             raise ConfigError(
-                f"ulysses_size={u} x ring_size={r} = {u * r} != sp_size={sp}; give sp_size = ulysses_size x "
-                "ring_size, or leave one of them unset"
+                f"{n.subject('ulysses_size', u)} x {n.subject('ring_size', r)} = {u * r} != "
+                f"{n.subject('sp_size', sp)}; give sp_size = ulysses_size x ring_size, or leave one of them unset",
+                param="sp_size",
             )
 
 
-def _check_device(device: str) -> None:
+def _check_device(naming: Naming, device: str) -> None:
     """device: TYPE or TYPE:INDEX with one of torch's device types (whether this host has it, the ranks tell)."""
     kind, colon, index = str(device).partition(":")
     if kind not in DEVICE_TYPES or (colon and not index.isdigit()):
         raise ConfigError(
-            f"device={device!r} is not a device: give TYPE or TYPE:INDEX, e.g. cpu, cuda (each rank's own GPU) or "
-            f"cuda:1; TYPE is one of {', '.join(DEVICE_TYPES)}"
+            f"{naming.subject('device', device)} is not a device: give TYPE or TYPE:INDEX, e.g. cpu, cuda (each "
+            f"rank's own GPU) or cuda:1; TYPE is one of {', '.join(DEVICE_TYPES)}",
+            param="device",
         )
 
 
-def _check_ray_address(executor: str, address: str) -> None:
+def _check_ray_address(naming: Naming, executor: str, address: str) -> None:
     """ray_address: 'auto' or HOST:PORT, and only with executor='ray'."""
     if executor != "ray":
-        raise ConfigError(f"ray_address={address!r} is only used with executor='ray' (executor={executor!r})")
+        raise ConfigError(
+            f"{naming.subject('ray_address', address)} is only used with {naming.setting('executor', 'ray')} "
+            f"(not {naming.subject('executor', executor)})",
+            param="ray_address",
+        )
     host, _, port = address.rpartition(":")
     if address != "auto" and not (host and port.isdigit() and 0 < int(port) < 65536):
         raise ConfigError(
-            f"ray_address={address!r}: give 'auto' or HOST:PORT of a Ray cluster's head (e.g. 10.0.0.5:6379)"
+            f"{naming.subject('ray_address', address)}: give 'auto' or HOST:PORT of a Ray cluster's head (e.g. "
+            "10.0.0.5:6379)",
+            param="ray_address",
         )
 
 

@@ -1,30 +1,58 @@
-"""Config files (YAML or JSON) parsed strictly into checked engine and request values: an unknown key names its
-dotted path, a value of the wrong type names the key, the value and the expected type."""
+"""Config files (YAML or JSON) parsed strictly into checked engine and request values: a key is an option's name or
+one of its aliases (config.ALIASES: `steps` for num_inference_steps); an unknown key names its dotted path and the
+nearest known one, a value of the wrong type names the key, the value and the expected type."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import types
 import typing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from distvideo.config import LORA_TARGETS, EngineConfig, LoraSpec
+from distvideo.config import (
+    LORA_TARGETS,
+    EngineConfig,
+    LoraSpec,
+    did_you_mean,
+    keys_of,
+    option_fields,
+    option_for_key,
+)
 from distvideo.errors import ConfigError
 from distvideo.request import GenerationRequest
 
 _SECTIONS: dict[str, type] = {"engine": EngineConfig, "request": GenerationRequest}
 
 
+@dataclass(frozen=True)
+class ConfigFile:
+    """A config file's checked values by option name, {"engine": {...}, "request": {...}}, and the key each option
+    was given by in the file (an alias or the name itself), so that errors name it as written."""
+
+    path: str
+    values: dict[str, dict[str, Any]]
+    keys: dict[str, dict[str, str]]
+
+    def labels(self, section: str) -> dict[str, str]:
+        """The section's options as messages name them: `--config c.yaml: request.steps`."""
+        return {name: f"--config {self.path}: {section}.{key}" for name, key in self.keys[section].items()}
+
+
 def load_config_file(path: str | Path) -> dict[str, dict[str, Any]]:
-    """Parse a YAML or JSON config file into {"engine": {...}, "request": {...}} of checked values.
+    """Parse a YAML or JSON config file into {"engine": {...}, "request": {...}} of checked values by option name.
 
     Strict: an unknown key is an error naming its dotted path; a value of the wrong type names the
     key, the value and the expected type.
     """
+    return read_config_file(path).values
+
+
+def read_config_file(path: str | Path) -> ConfigFile:
+    """The checked values of a YAML or JSON config file, with the key each option was given by (load_config_file)."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"--config {path}: no such file")
@@ -40,37 +68,52 @@ def load_config_file(path: str | Path) -> dict[str, dict[str, Any]]:
     if not isinstance(data, dict):
         raise ConfigError(f"--config {path}: expected a mapping with sections 'engine' and 'request'")
     out: dict[str, dict[str, Any]] = {"engine": {}, "request": {}}
+    keys: dict[str, dict[str, str]] = {"engine": {}, "request": {}}
     for section, values in data.items():
         if section not in _SECTIONS:
+            hint = did_you_mean(section, _SECTIONS)
             raise ConfigError(
-                f"--config {path}: unknown key '{section}'; top-level keys are {', '.join(sorted(_SECTIONS))}"
+                f"--config {path}: unknown key '{section}'{hint}; top-level keys are {', '.join(sorted(_SECTIONS))}"
             )
         if values is None:
             continue
         if not isinstance(values, dict):
             raise ConfigError(f"--config {path}: '{section}' must be a mapping, got {type(values).__name__}")
-        out[section] = _check_section(path, section, _SECTIONS[section], values)
-    return out
+        out[section], keys[section] = _check_section(path, section, _SECTIONS[section], values)
+    return ConfigFile(str(path), out, keys)
 
 
-def _check_section(path: str | Path, section: str, cls: type, values: dict[str, Any]) -> dict[str, Any]:
+def _check_section(
+    path: str | Path, section: str, cls: type, values: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """(the section's checked values by option name, the key each was given by)."""
     hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = [f.name for f in option_fields(cls)]
     checked: dict[str, Any] = {}
+    keys: dict[str, str] = {}
     for key, value in values.items():
         dotted = f"{section}.{key}"
-        if key not in names:
-            raise ConfigError(f"--config {path}: unknown key '{dotted}'; known keys: {', '.join(sorted(names))}")
-        if section == "engine" and key == "lora":
-            checked[key] = _parse_lora_list(path, dotted, value)
+        name = option_for_key(str(key), names)
+        if name is None:
+            raise ConfigError(
+                f"--config {path}: unknown key '{dotted}'{did_you_mean(key, names, section + '.')}; known keys: "
+                f"{', '.join(sorted(' or '.join(keys_of(name)) for name in names))}"
+            )
+        if name in keys:
+            raise ConfigError(
+                f"--config {path}: '{section}.{keys[name]}' and '{dotted}' are the same option ({name}); give one"
+            )
+        keys[name] = str(key)
+        if section == "engine" and name == "lora":
+            checked[name] = _parse_lora_list(path, dotted, value)
             continue
-        if section == "request" and key == "image":  # a file path in a config file (the API also takes arrays)
+        if section == "request" and name == "image":  # a file path in a config file (the API also takes arrays)
             if value is not None and not isinstance(value, str):
                 raise ConfigError(f"--config {path}: '{dotted}' must be a file path, got {value!r}")
-            checked[key] = value
+            checked[name] = value
             continue
-        checked[key] = _coerce(path, dotted, hints[key], value)
-    return checked
+        checked[name] = _coerce(path, dotted, hints[name], value)
+    return checked, keys
 
 
 def _parse_lora_list(path: str | Path, dotted: str, value: Any) -> list[LoraSpec]:

@@ -10,7 +10,15 @@ from typing import Any
 
 
 class ConfigError(ValueError):
-    """Bad input or configuration: the CLI exits with code 2 and nothing is written."""
+    """Bad input or configuration: the CLI exits with code 2 and nothing is written.
+
+    `param`: the option it is about, by its field name (`num_inference_steps`), when it is about one; the message
+    itself names the option as the user gave it (config.Naming), and an edge that answers in names of its own (the
+    HTTP service's `param`) maps the field."""
+
+    def __init__(self, message: str, *, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class LoraError(ConfigError):

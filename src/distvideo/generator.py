@@ -3,7 +3,6 @@ on the output rank."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 import weakref
@@ -15,13 +14,14 @@ from typing import Any
 import numpy as np
 
 from distvideo.batch.run import BatchResult
-from distvideo.config import EngineConfig, LoraSpec
+from distvideo.config import EngineConfig, LoraSpec, did_you_mean, option_fields
 from distvideo.engine import ResolvedEngine
 from distvideo.errors import ConfigError, RankFailure
 from distvideo.executors import Executor, create_executor, resolve_engine
 from distvideo.executors.base import SHUT_DOWN
 from distvideo.logging_utils import configure_logging
 from distvideo.media import check_video_output, write_video_or_keep_frames
+from distvideo.models.embedded import prompt_warning
 from distvideo.models.registry import ModelInfo
 from distvideo.paths import resolve_output_path
 from distvideo.request import GenerationRequest
@@ -68,10 +68,13 @@ class VideoGenerator:
         **options: Any,
     ) -> VideoGenerator:
         """`options`: any other EngineConfig field by name (offload="model", compile=True, ...)."""
-        known = {f.name for f in dataclasses.fields(EngineConfig)}
+        known = {f.name for f in option_fields(EngineConfig)}
         unknown = sorted(set(options) - known)
         if unknown:
-            raise ConfigError(f"{', '.join(unknown)}: not an engine option; the options are {', '.join(sorted(known))}")
+            raise ConfigError(
+                f"{', '.join(unknown)}: not an engine option{did_you_mean(unknown[0], known)}; the options are "
+                f"{', '.join(sorted(known))}"
+            )
         config = EngineConfig(
             model=str(model) if model is not None else None,
             num_gpus=num_gpus,
@@ -242,6 +245,9 @@ class VideoGenerator:
             raise invalid
         assert resolved is not None
         request = resolved
+        warning = prompt_warning(self.model_info.path, request.prompt) if executor.is_output_rank else None
+        if warning:
+            logger.warning(warning)
         out = _refusals_as_config_errors(lambda: executor.execute_forward(request, on_progress))
         timings = dict(out.timings)
         video_path: str | None = None
@@ -255,13 +261,12 @@ class VideoGenerator:
         timings["total"] = time.perf_counter() - start
         if executor.is_output_rank:
             logger.info(
-                "generated %d frames %dx%d in %.2f s (denoising %.2f s, decoding %.2f s)%s",
+                "generated %d frames %dx%d in %.2f s (%s)%s",
                 request.num_frames,
                 request.width,
                 request.height,
                 timings["total"],
-                timings.get("denoising", 0.0),
-                timings.get("decoding", 0.0),
+                run_summary(timings, out.cache),
                 f" -> {video_path}" if video_path else "",
             )
         elif not getattr(self, "_told_output_rank", False):
@@ -374,6 +379,20 @@ def _refusals_as_config_errors(run: Callable[[], Any]) -> Any:
             lines = [f"  rank {rank}: {message}" for rank, (_, message) in sorted(exc.failures.items())]
             raise ConfigError("the request was refused:\n" + "\n".join(lines)) from exc
         raise
+
+
+def run_summary(timings: dict[str, float], cache: dict[str, Any] | None) -> str:
+    """What ran, for the summary line: the stages' seconds (compile apart from denoising) and the steps a step cache
+    skipped."""
+    parts = [f"denoising {timings.get('denoising', 0.0):.2f} s"]
+    if "compile" in timings:
+        parts.append(f"of which compiling {timings['compile']:.2f} s")
+    parts.append(f"decoding {timings.get('decoding', 0.0):.2f} s")
+    if cache:
+        skipped = list(cache.get("skipped_steps", []))
+        steps = len(skipped) + int(cache.get("computed_steps", 0))
+        parts.append(f"cache {cache.get('method')}: skipped {len(skipped)} of {steps} steps {skipped}")
+    return ", ".join(parts)
 
 
 def _text_or_none(exc: BaseException | None) -> str | None:

@@ -15,24 +15,25 @@ from distvideo.errors import ConfigError
 IMAGE_FORMS = "a file path, a PIL image or a uint8 array (H, W, 3)"
 
 
-def check_image_type(image: Any) -> None:
+def check_image_type(image: Any, label: str = "image") -> None:
     """ConfigError unless `image` is a path, a PIL image or a uint8 (H, W), (H, W, 3) or (H, W, 4) array (no file
-    is read)."""
+    is read). `label`: the option as the user named it (`--image`)."""
     if isinstance(image, (str, os.PathLike)):
         if not os.fspath(image):
-            raise ConfigError(f"image: empty path; pass {IMAGE_FORMS}")
+            raise ConfigError(f"{label}: empty path; pass {IMAGE_FORMS}", param="image")
         return
     if isinstance(image, np.ndarray):
         if image.dtype != np.uint8 or image.ndim not in (2, 3) or (image.ndim == 3 and image.shape[2] not in (3, 4)):
             raise ConfigError(
-                f"image: an array must be uint8 of shape (H, W, 3) (RGB), (H, W, 4) or (H, W); got {image.dtype} "
-                f"{image.shape}"
+                f"{label}: an array must be uint8 of shape (H, W, 3) (RGB), (H, W, 4) or (H, W); got {image.dtype} "
+                f"{image.shape}",
+                param="image",
             )
         if min(image.shape[:2]) < 1:
-            raise ConfigError(f"image: the array has no pixels (shape {image.shape})")
+            raise ConfigError(f"{label}: the array has no pixels (shape {image.shape})", param="image")
         return
     if not _is_pil_image(image):
-        raise ConfigError(f"image: expected {IMAGE_FORMS}, got {type(image).__name__}")
+        raise ConfigError(f"{label}: expected {IMAGE_FORMS}, got {type(image).__name__}", param="image")
 
 
 def _is_pil_image(image: Any) -> bool:
@@ -43,27 +44,30 @@ def _is_pil_image(image: Any) -> bool:
     return isinstance(image, Image.Image)
 
 
-def load_image(image: Any) -> np.ndarray:
+def load_image(image: Any, label: str = "image") -> np.ndarray:
     """The RGB pixels (H, W, 3) uint8 of a path, PIL image or array (alpha dropped, grey expanded); ConfigError
     naming the file when it is missing, not an image, or over PIL's pixel limit (`PIL.Image.MAX_IMAGE_PIXELS`: a
-    decompression bomb), which is checked from its header before any pixel is decoded."""
+    decompression bomb), which is checked from its header before any pixel is decoded. `label`: the option as the
+    user named it (`--image`)."""
     from PIL import Image, UnidentifiedImageError
 
-    check_image_type(image)
+    check_image_type(image, label)
     if isinstance(image, np.ndarray):
         pil = Image.fromarray(image)
     elif isinstance(image, (str, os.PathLike)):
         path = Path(image).expanduser()
         if not path.is_file():
-            raise ConfigError(f"image: {str(path)!r} does not exist on host {_hostname()} (or is not a file)")
+            raise ConfigError(
+                f"{label}: {str(path)!r} does not exist on host {_hostname()} (or is not a file)", param="image"
+            )
         try:
             with Image.open(path) as opened:  # reads the header only; raises over twice MAX_IMAGE_PIXELS
                 _check_pixel_limit(opened.width, opened.height)  # PIL only warns below twice it, then decodes
                 pil = opened.convert("RGB")
         except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:  # the warning under -W error
-            raise ConfigError(f"image: {str(path)!r} is too large to read ({exc})") from None
+            raise ConfigError(f"{label}: {str(path)!r} is too large to read ({exc})", param="image") from None
         except (UnidentifiedImageError, OSError, ValueError) as exc:
-            raise ConfigError(f"image: {str(path)!r} is not an image PIL can read ({exc})") from None
+            raise ConfigError(f"{label}: {str(path)!r} is not an image PIL can read ({exc})", param="image") from None
     else:
         pil = image
     return np.ascontiguousarray(np.asarray(pil.convert("RGB"), dtype=np.uint8))

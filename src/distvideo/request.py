@@ -3,11 +3,11 @@ request is resolved against it: models/registry.py, models/memory.py)."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from distvideo.config import Naming, option_fields
 from distvideo.errors import ConfigError
 from distvideo.images import check_image_type, image_fingerprint
 from distvideo.paths import path_problem
@@ -57,93 +57,119 @@ class GenerationRequest:
     cache_threshold: float | None = None
     cache_warmup_steps: int | None = None
     cache_max_skip: int | None = None
+    # how the fields were given (flags, a config file, keywords), so that errors name them so (config.Naming)
+    naming: Naming = field(default_factory=Naming, repr=False, compare=False, kw_only=True)
+
+    def __post_init__(self) -> None:
+        self.naming = Naming.of(self.naming)  # also from its JSON form, as the serving channel sends a request
 
     def validate(self) -> None:
         """Checks that need no model; model-dependent checks live in the model's spec."""
+        n = self.naming
         if not isinstance(self.prompt, str) or not self.prompt.strip():
-            raise ConfigError("prompt: must be a non-empty text, e.g. --prompt 'a cat surfing a wave'")
+            raise ConfigError(
+                f"{n.label('prompt')}: must be a non-empty text, e.g. {n.setting('prompt', 'a cat surfing a wave')}",
+                param="prompt",
+            )
         if self.negative_prompt is not None and not isinstance(self.negative_prompt, str):
-            raise ConfigError(f"negative_prompt: must be a text, got {type(self.negative_prompt).__name__}")
+            raise ConfigError(
+                f"{n.label('negative_prompt')}: must be a text, got {type(self.negative_prompt).__name__}",
+                param="negative_prompt",
+            )
         for name in ("prompt", "negative_prompt"):
             text = getattr(self, name)
             if text is not None and len(text) > MAX_PROMPT_CHARS:
                 raise ConfigError(
-                    f"{name}: {len(text)} characters; at most {MAX_PROMPT_CHARS} (the text encoder reads only the "
-                    f"first max_sequence_length={self.max_sequence_length} tokens)"
+                    f"{n.label(name)}: {len(text)} characters; at most {MAX_PROMPT_CHARS} (the text encoder reads only "
+                    f"the first max_sequence_length={self.max_sequence_length} tokens)",
+                    param=name,
                 )
         # the model's VAE sets which frame counts it takes (4k+1 for Wan)
-        _check_int("num_frames", self.num_frames, minimum=1, maximum=MAX_FRAMES)
-        _check_int("height", self.height, minimum=1, maximum=MAX_SIDE)
-        _check_int("width", self.width, minimum=1, maximum=MAX_SIDE)
-        _check_int("num_inference_steps", self.num_inference_steps, minimum=1, maximum=MAX_STEPS, flag="--steps")
+        _check_int(n, "num_frames", self.num_frames, minimum=1, maximum=MAX_FRAMES)
+        _check_int(n, "height", self.height, minimum=1, maximum=MAX_SIDE)
+        _check_int(n, "width", self.width, minimum=1, maximum=MAX_SIDE)
+        _check_int(n, "num_inference_steps", self.num_inference_steps, minimum=1, maximum=MAX_STEPS)
         for name in ("guidance_scale", "guidance_scale_2"):
             value = getattr(self, name)
             if value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ConfigError(f"{name}: expected a number, got {value!r}")
+                raise ConfigError(f"{n.label(name)}: expected a number, got {value!r}", param=name)
             if not (0.0 <= float(value) < 1e4):
-                raise ConfigError(f"{name}={value} must be >= 0 (1 or less turns classifier-free guidance off)")
+                raise ConfigError(
+                    f"{n.subject(name, value)} must be >= 0 (1 or less turns classifier-free guidance off)", param=name
+                )
         if self.boundary_ratio is not None:
             ratio = self.boundary_ratio
             if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= float(ratio) <= 1.0:
                 raise ConfigError(
-                    f"boundary_ratio={ratio!r} must be a number from 0 to 1 (the fraction of the training timesteps "
-                    "above which the high-noise expert runs; Wan2.2 T2V-A14B uses 0.875)"
+                    f"{n.subject('boundary_ratio', ratio)} must be a number from 0 to 1 (the fraction of the training "
+                    "timesteps above which the high-noise expert runs; Wan2.2 T2V-A14B uses 0.875)",
+                    param="boundary_ratio",
                 )
         if self.image is not None:
-            check_image_type(self.image)
+            check_image_type(self.image, n.label("image"))
+        self._validate_numbers()
+        check_cache_fields(self)
+        if self.output_path is not None:
+            if not isinstance(self.output_path, str):
+                raise ConfigError(
+                    f"{n.label('output_path')}: expected a path, got {self.output_path!r}", param="output_path"
+                )
+            problem = path_problem(self.output_path)
+            if problem:
+                raise ConfigError(f"{n.subject('output_path', self.output_path)}: {problem}", param="output_path")
+
+    def _validate_numbers(self) -> None:
+        """seed, fps, max_sequence_length and request_timeout."""
+        n = self.naming
         for name in ("seed", "max_sequence_length"):
             if getattr(self, name) is None:
-                raise ConfigError(f"{name}: expected an integer, got None")
-        _check_int("seed", self.seed, minimum=0)
+                raise ConfigError(f"{n.label(name)}: expected an integer, got None", param=name)
+        _check_int(n, "seed", self.seed, minimum=0)
         if self.seed >= 2**63:
-            raise ConfigError(f"seed={self.seed} must be below 2**63")
-        _check_int("fps", self.fps, minimum=1, maximum=MAX_FPS)
-        _check_int("max_sequence_length", self.max_sequence_length, minimum=1, maximum=MAX_SEQUENCE_LENGTH)
+            raise ConfigError(f"{n.subject('seed', self.seed)} must be below 2**63", param="seed")
+        _check_int(n, "fps", self.fps, minimum=1, maximum=MAX_FPS)
+        _check_int(n, "max_sequence_length", self.max_sequence_length, minimum=1, maximum=MAX_SEQUENCE_LENGTH)
         if self.request_timeout is not None and (
             isinstance(self.request_timeout, bool)
             or not isinstance(self.request_timeout, (int, float))
             or not (self.request_timeout > 0 and math.isfinite(self.request_timeout))
         ):
             raise ConfigError(
-                f"request_timeout={self.request_timeout!r} must be a positive, finite number of seconds (or unset)"
+                f"{n.subject('request_timeout', self.request_timeout)} must be a positive, finite number of seconds "
+                "(or unset)",
+                param="request_timeout",
             )
-        check_cache_fields(self)
-        if self.output_path is not None:
-            if not isinstance(self.output_path, str):
-                raise ConfigError(f"output_path: expected a path, got {self.output_path!r}")
-            problem = path_problem(self.output_path)
-            if problem:
-                raise ConfigError(f"output_path {self.output_path!r}: {problem}")
 
     def digest_fields(self) -> dict[str, Any]:
         """The fields every rank must agree on (all of them: the output path only matters on rank 0,
         but a difference there is still a sign of a divergent script). The image is compared by its content (a file
         by its bytes, so each node may hold its own copy), never by its path or object."""
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        fields = {f.name: getattr(self, f.name) for f in option_fields(GenerationRequest)}
         fields["image"] = image_fingerprint(self.image)
         return fields
 
 
-def _check_int(name: str, value: Any, *, minimum: int, maximum: int | None = None, flag: str | None = None) -> None:
+def _check_int(naming: Naming, name: str, value: Any, *, minimum: int, maximum: int | None = None) -> None:
     if value is None:
         return
-    label = name if flag is None else f"{name} ({flag})"
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{label}: expected an integer, got {value!r}")
+        raise ConfigError(f"{naming.label(name)}: expected an integer, got {value!r}", param=name)
     if value < minimum:
-        raise ConfigError(f"{label}={value} must be >= {minimum}")
+        raise ConfigError(f"{naming.subject(name, value)} must be >= {minimum}", param=name)
     if maximum is not None and value > maximum:
-        raise ConfigError(f"{label}={value} must be <= {maximum}")
+        raise ConfigError(f"{naming.subject(name, value)} must be <= {maximum}", param=name)
 
 
 # --- step caching ---------------------------------------------------------------------------------------------------
 def check_cache_fields(request: GenerationRequest) -> None:
     """The cache options' own checks (a method's ratios for the model are checked by ModelInfo.resolve_request)."""
-    method = request.cache
+    n, method = request.naming, request.cache
     if method is not None and (not isinstance(method, str) or method not in (*CACHE_METHODS, CACHE_CALIBRATE)):
-        raise ConfigError(f"cache (--cache): unknown method {method!r}; choose one of {', '.join(CACHE_METHODS)}")
+        raise ConfigError(
+            f"{n.subject('cache', method)}: unknown method; choose one of {', '.join(CACHE_METHODS)}", param="cache"
+        )
     threshold = request.cache_threshold
     if threshold is not None and (
         isinstance(threshold, bool)
@@ -151,7 +177,8 @@ def check_cache_fields(request: GenerationRequest) -> None:
         or not (math.isfinite(threshold) and threshold > 0)
     ):
         raise ConfigError(
-            f"cache_threshold (--cache-threshold)={threshold!r} must be a positive, finite number (e.g. 0.05)"
+            f"{n.subject('cache_threshold', threshold)} must be a positive, finite number (e.g. 0.05)",
+            param="cache_threshold",
         )
-    _check_int("cache_warmup_steps", request.cache_warmup_steps, minimum=0, flag="--cache-warmup-steps")
-    _check_int("cache_max_skip", request.cache_max_skip, minimum=1, flag="--cache-max-skip")
+    _check_int(n, "cache_warmup_steps", request.cache_warmup_steps, minimum=0)
+    _check_int(n, "cache_max_skip", request.cache_max_skip, minimum=1)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from distvideo.config import did_you_mean, keys_of, option_for_key
 from distvideo.errors import ConfigError
 from distvideo.images import image_fingerprint
 from distvideo.models.registry import ModelInfo
@@ -123,17 +124,36 @@ def _request_for(
 ) -> GenerationRequest:
     if "_error" in fields:
         raise ConfigError(str(fields["_error"]))
-    unknown = sorted(set(fields) - set(ITEM_FIELDS))
-    if unknown:
-        raise ConfigError(f"unknown key(s) {unknown}; an item may set {', '.join(ITEM_FIELDS)}")
-    given = {k: v for k, v in fields.items() if k in ITEM_FIELDS and k != "output" and v is not None}
+    named = item_fields(fields)
+    given = {k: v for k, v in named.items() if k != "output" and v is not None}
     if "seed" not in given:
         given["seed"] = derive_seed(batch_seed, index)
-    output = fields.get("output")
+    output = named.get("output")
     if output is not None and (not isinstance(output, str) or "/" in output or output in ("", ".", "..")):
-        raise ConfigError(f"output={output!r}: a file name inside the output folder, without '/'")
-    request = dataclasses.replace(defaults, **given, output_path=output)
+        raise ConfigError(f"output={output!r}: a file name inside the output folder, without '/'", param="output")
+    keys = {option_for_key(key, ITEM_FIELDS) or key: key for key in fields}  # the item's own keys name its fields
+    naming = defaults.naming.with_given({name: keys[name] for name in given if name in keys})
+    request = dataclasses.replace(defaults, **given, output_path=output, naming=naming)
     return model.resolve_request(request)
+
+
+def item_fields(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """An item's fields by ITEM_FIELDS name: a key is a field or one of its aliases (`steps`: config.ALIASES); an
+    unknown key, or two keys for one field, is a ConfigError naming it."""
+    named: dict[str, Any] = {}
+    keys: dict[str, str] = {}
+    for key, value in fields.items():
+        name = option_for_key(str(key), ITEM_FIELDS)
+        if name is None:
+            aliases = ", ".join(f"{alias} for {name}" for name in ITEM_FIELDS for alias in keys_of(name)[1:])
+            raise ConfigError(
+                f"unknown key {key!r}{did_you_mean(key, ITEM_FIELDS)}; an item may set {', '.join(ITEM_FIELDS)} "
+                f"({aliases})"
+            )
+        if name in named:
+            raise ConfigError(f"{keys[name]!r} and {key!r} are the same field ({name}); give one", param=name)
+        named[name], keys[name] = value, str(key)
+    return named
 
 
 def fingerprint(request: GenerationRequest) -> str:

@@ -7,7 +7,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from distvideo.cli.arguments import add_engine_arguments, engine_config_from_args
+from distvideo.cli.arguments import add_engine_arguments, cli_naming, engine_config_from_args
+from distvideo.errors import ConfigError
 
 CALIBRATION_PROMPT = "a red fox running through fresh snow in a forest, cinematic light"
 
@@ -26,11 +27,18 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from distvideo.executors import resolve_engine
     from distvideo.generator import VideoGenerator
     from distvideo.models.cache_ratios import RATIOS_FILE, scheduler_name, write_ratios
+    from distvideo.models.embedded import packaged_model
     from distvideo.paths import check_output_target
     from distvideo.request import CACHE_CALIBRATE, GenerationRequest
 
     engine_config, _ = engine_config_from_args(args)
     engine = resolve_engine(engine_config)
+    if packaged_model(engine.model.path):
+        raise ConfigError(
+            f"--model {engine.model.path}: a model shipped inside the distvideo package; its {RATIOS_FILE} is part "
+            f"of the package and is not rewritten. Calibrate a copy instead: cp -r {engine.model.path} "
+            f"~/models/{engine.model.path.name} && distvideo calibrate --model ~/models/{engine.model.path.name}"
+        )
     request = GenerationRequest(
         prompt=args.prompt,
         seed=args.seed,
@@ -38,6 +46,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         cache=CACHE_CALIBRATE,
         save_video=False,
         return_frames=False,
+        naming=cli_naming(args),
     )
     request = engine.model.resolve_request(request)  # bad input (the step count) before loading
     if engine.launch is None:  # the model folder takes the ratios file: refused before loading when it cannot

@@ -37,11 +37,14 @@ def resolve_external_env(config: EngineConfig, environ: Mapping[str, str] | None
     try:
         env = resolve_launch_env(read_launch_environ() if environ is None else environ)
     except (ValueError, RuntimeError) as exc:
-        raise ConfigError(f"executor='external': {exc}") from None
+        raise ConfigError(f"{config.naming.subject('executor', 'external')}: {exc}", param="executor") from None
     if config.num_gpus is not None and config.num_gpus != env.world_size:
+        n = config.naming
         raise ConfigError(
-            f"num_gpus={config.num_gpus} but the launcher ({env.launcher}) started {env.world_size} processes; "
-            f"pass num_gpus={env.world_size} (the total number of launched processes) or leave it unset"
+            f"{n.subject('num_gpus', config.num_gpus)} but the launcher ({env.launcher}) started {env.world_size} "
+            f"processes; give {n.setting('num_gpus', env.world_size)} (the total number of launched processes) or "
+            "leave it unset",
+            param="num_gpus",
         )
     return env
 
@@ -68,7 +71,12 @@ def resolve_engine(
     if kind == "ray":
         check_ray_installed()
     if kind == "inline" and (config.num_gpus or 1) != 1:
-        raise ConfigError(f"executor='inline' runs one rank; num_gpus={config.num_gpus} needs executor 'mp'")
+        n = config.naming
+        raise ConfigError(
+            f"{n.subject('executor', 'inline')} runs one rank; {n.subject('num_gpus', config.num_gpus)} needs "
+            f"{n.setting('executor', 'mp')}",
+            param="num_gpus",
+        )
     if kind in ("inline", "mp"):  # its ranks read the adapters on this host: a missing one is refused before they start
         for spec in config.lora:  # (launched or Ray ranks check theirs together, on their own hosts)
             resolve_lora_path(spec.path)

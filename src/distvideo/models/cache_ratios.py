@@ -53,7 +53,7 @@ def write_ratios(root: Path, scheduler: str, steps: int, ratios: list[float]) ->
 
 
 def resolve_cache(
-    request: GenerationRequest, ratios: dict[str, list[float]], scheduler: str, model_name: str
+    request: GenerationRequest, ratios: dict[str, list[float]], scheduler: str, model: Path
 ) -> GenerationRequest:
     """Fill the cache fields of a request whose other fields are resolved: method "none" when unset, the method's
     threshold and warmup, at most MAG_MAX_SKIP consecutive skips for mag (no limit for first-block); mag needs
@@ -65,12 +65,7 @@ def resolve_cache(
         return dataclasses.replace(request, cache=method)
     threshold, warmup_fraction = METHOD_DEFAULTS[method]
     if method == "mag" and ratios_key(scheduler, steps) not in ratios:
-        known = sorted(int(k.split("/")[1]) for k in ratios if k.startswith(f"{scheduler}/"))
-        raise ConfigError(
-            f"cache (--cache mag): {model_name} has no MagCache ratios for {steps} steps with {scheduler} (calibrated "
-            f"step counts: {known or 'none'}); run `distvideo calibrate --model {model_name} --steps {steps}`, or "
-            "use --cache first-block"
-        )
+        raise ConfigError(_uncalibrated(request, ratios, scheduler, model), param="cache")
     return dataclasses.replace(
         request,
         cache=method,
@@ -81,4 +76,23 @@ def resolve_cache(
         cache_max_skip=(
             (MAG_MAX_SKIP if method == "mag" else steps) if request.cache_max_skip is None else request.cache_max_skip
         ),
+    )
+
+
+def _uncalibrated(request: GenerationRequest, ratios: dict[str, list[float]], scheduler: str, model: Path) -> str:
+    """Why mag cannot run this step count, and what would: the calibrated step counts, first-block, or calibrating.
+    A client of the service is told to ask its operator, and is shown no path of the server's."""
+    n, steps = request.naming, request.num_inference_steps
+    known = sorted(int(k.split("/")[1]) for k in ratios if k.startswith(f"{scheduler}/"))
+    if n.style == "json":
+        who, calibrate = (
+            "the served model",
+            f"the server's operator can add them with `distvideo calibrate --steps {steps}`",
+        )
+    else:
+        who, calibrate = model.name, f"run `distvideo calibrate --model {model} --steps {steps}`"
+    other_steps = f" or {n.setting('num_inference_steps', known[0])}" if known else ""
+    return (
+        f"{n.subject('cache', 'mag')}: {who} has no MagCache ratios for {steps} steps with {scheduler} (calibrated step "
+        f"counts: {known or 'none'}); {calibrate}; or use {n.setting('cache', 'first-block')}{other_steps}"
     )

@@ -166,33 +166,37 @@ class ModelInfo:
             defaults["guidance_scale_2"] = request.guidance_scale  # as diffusers: the low-noise expert's follows it
         filled = dataclasses.replace(request, **{k: v for k, v in defaults.items() if getattr(request, k, 0) is None})
         filled.validate()
+        n = filled.naming
         for name in ("height", "width"):
             value = getattr(filled, name)
             if value % self.spatial_stride:
                 lower = max(self.spatial_stride, value // self.spatial_stride * self.spatial_stride)
                 raise ConfigError(
-                    f"{name}={value} must be a multiple of {self.spatial_stride} for this model (VAE factor "
+                    f"{n.subject(name, value)} must be a multiple of {self.spatial_stride} for this model (VAE factor "
                     f"{self.vae_scale_spatial} x patch size {self.patch_size[1]}); try {lower} or "
-                    f"{lower + self.spatial_stride}"
+                    f"{lower + self.spatial_stride}",
+                    param=name,
                 )
         k = self.vae_scale_temporal
         assert filled.num_frames is not None  # the family's defaults fill every field
         if (filled.num_frames - 1) % k:
             lower = (filled.num_frames - 1) // k * k + 1
             raise ConfigError(
-                f"num_frames={filled.num_frames} must be of the form {k}k+1 for this model (its VAE packs {k} frames "
-                f"into one latent frame after the first); try {lower} or {lower + k}"
+                f"{n.subject('num_frames', filled.num_frames)} must be of the form {k}k+1 for this model (its VAE "
+                f"packs {k} frames into one latent frame after the first); try {lower} or {lower + k}",
+                param="num_frames",
             )
-        filled = resolve_cache(filled, self.cache_ratios, scheduler_name(self.index), str(self.path))
+        filled = resolve_cache(filled, self.cache_ratios, scheduler_name(self.index), self.path)
         if filled.cache not in (None, "none") and not self.family.step_cache:
             raise ConfigError(
-                f"cache={filled.cache!r}: {self.path.name} is {self.family.name}, whose blocks the step cache does not "
-                "serve yet; drop --cache (or use cache='none')"
+                f"{n.subject('cache', filled.cache)}: {self.path.name} is {self.family.name}, whose blocks the step "
+                f"cache does not serve yet; drop {n.label('cache')} (or give {n.setting('cache', 'none')})",
+                param="cache",
             )
         if read_image and filled.image is not None:
             from distvideo.images import load_image
 
-            filled = dataclasses.replace(filled, image=load_image(filled.image))
+            filled = dataclasses.replace(filled, image=load_image(filled.image, n.label("image")))
             if self.family.size_from_image and request.height is None and request.width is None:
                 rows, cols = filled.image.shape[:2]
                 target = int(self.transformer_config.get("target_size", 640))
@@ -201,23 +205,27 @@ class ModelInfo:
         return filled
 
     def _check_family_inputs(self, request: GenerationRequest) -> None:
-        family = self.family
+        family, n = self.family, request.naming
         what = f"{self.path.name} is {family.name} ({self.class_name})"
         if request.image is not None and family.image == IMAGE_NONE:
             raise ConfigError(
-                f"image: {what}, a text-to-video model that takes no image; drop --image, or use an image-to-video "
-                "checkpoint (Wan2.1 I2V, Wan2.2 I2V-A14B, Wan2.2 TI2V-5B or HunyuanVideo 1.5 I2V)"
+                f"{n.label('image')}: {what}, a text-to-video model that takes no image; drop {n.label('image')}, or "
+                "use an image-to-video checkpoint (Wan2.1 I2V, Wan2.2 I2V-A14B, Wan2.2 TI2V-5B or HunyuanVideo 1.5 I2V)",
+                param="image",
             )
         if request.image is None and family.image == IMAGE_REQUIRED:
+            how = {"flag": "--image PATH", "keyword": "image= (a path, a PIL image or a uint8 array)"}
             raise ConfigError(
-                f"image: {what}, an image-to-video model: pass the first frame with --image PATH (API: image= a path, "
-                "a PIL image or a uint8 array)"
+                f"{n.label('image')}: {what}, an image-to-video model: pass the first frame as "
+                f"{how.get(n.style, n.label('image'))}",
+                param="image",
             )
         for name in ("guidance_scale_2", "boundary_ratio"):
             if getattr(request, name) is not None and family.experts == 1:
                 raise ConfigError(
-                    f"{name}: {what}, which has one transformer; {name} applies to the two-expert Wan2.2 A14B models "
-                    "only: drop it"
+                    f"{n.label(name)}: {what}, which has one transformer; {name} applies to the two-expert Wan2.2 A14B "
+                    "models only: drop it",
+                    param=name,
                 )
 
 

@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from distvideo.config import Naming
 from distvideo.errors import ConfigError
+from distvideo.models.embedded import prompt_warning
 from distvideo.models.registry import ModelInfo
 from distvideo.request import GenerationRequest
 from distvideo.serving.options import ServeLimits
@@ -19,6 +21,8 @@ from distvideo.serving.schemas import VideoCreate
 PRESETTABLE = ("negative_prompt", "num_frames", "num_inference_steps", "guidance_scale", "seed", "fps")
 CACHE_FIELDS = ("cache", "cache_threshold", "cache_warmup_steps", "cache_max_skip")  # chosen per request
 _FIELD = re.compile(r"^([a-z_]+)\b")
+#: a request's options as the body names them (its errors are shown to a client, perhaps on another machine)
+BODY_NAMING = Naming("json", {"image": "input_reference"})
 
 
 class ApiError(Exception):
@@ -83,7 +87,7 @@ class Admission:
             if image_path is not None:  # the engine reads it again on every rank, from the path
                 resolved = dataclasses.replace(resolved, image=image_path)
         except ConfigError as exc:
-            raise ApiError(422, str(exc), param=self._param_of(exc, body)) from None
+            raise self.refusal(exc, body, image_path) from None
         self._check_limits(resolved, body)
         assert resolved.num_frames and resolved.width and resolved.height and resolved.fps
         api = {
@@ -97,6 +101,7 @@ class Admission:
             "guidance_scale": resolved.guidance_scale,
             "negative_prompt": resolved.negative_prompt,
             "lora": None if body.lora is None else {"name": body.lora.name, "strength": body.lora.strength},
+            "warnings": [w for w in [prompt_warning(self.model.path, resolved.prompt)] if w],
         }
         return api, resolved
 
@@ -118,6 +123,7 @@ class Admission:
             output_path=str(self.output / f"{job_id}.mp4"),  # the server names the file, never the request
             save_video=True,
             return_frames=False,
+            naming=BODY_NAMING,
             **values,
         )
 
@@ -142,17 +148,32 @@ class Admission:
             )
         return frames
 
+    def refusal(self, exc: ConfigError, body: VideoCreate | None = None, image_path: str | None = None) -> ApiError:
+        """The 422 for input the engine refused: `param` the body's field, and a message with no path of this machine
+        (the client may be anywhere): the upload is "the uploaded file", the model folder the model's id, the output
+        folder "(output)"."""
+        text = str(exc)
+        swaps = [(str(self.model.path), self.model_id), (str(self.output), "(output)")]
+        if image_path:
+            swaps[:0] = [(repr(image_path), "the uploaded file"), (image_path, "the uploaded file")]
+        for path, name in swaps:
+            text = text.replace(path, name)
+        return ApiError(422, text, param=self._param_of(exc, body))
+
     @staticmethod
-    def _param_of(exc: ConfigError, body: VideoCreate) -> str | None:
+    def _param_of(exc: ConfigError, body: VideoCreate | None) -> str | None:
+        """The body's field an error is about: the error's option (`exc.param`, else the name its message starts
+        with) as the API names it (size for height and width, input_reference for the image, seconds for the frames
+        a duration gave); None when it is about no field of the body."""
         match = _FIELD.match(str(exc))
-        name = match.group(1) if match else None
+        name = exc.param or (match.group(1) if match else None)
         if name in ("height", "width"):
             return "size"
         if name == "image":
             return "input_reference"
-        if name == "num_frames" and body.seconds is not None and body.num_frames is None:
+        if name == "num_frames" and body is not None and body.seconds is not None and body.num_frames is None:
             return "seconds"
-        return name
+        return name if name in VideoCreate.model_fields else None
 
     def _check_limits(self, request: GenerationRequest, body: VideoCreate) -> None:
         limits = self.limits

@@ -234,8 +234,7 @@ def _add_create_route(app: FastAPI, ctx: AppContext, guard: Guard) -> None:
         except ConfigError as exc:  # a check below admission's own (which answers ApiError) refusing the input
             image_path.unlink(missing_ok=True)
             ctx.service.counters.rejected["invalid"] += 1
-            param = "input_reference" if str(exc).startswith("image") else None  # load_image names it "image: ..."
-            raise ApiError(422, str(exc), param=param) from None
+            raise ctx.admission.refusal(exc, image_path=str(image_path)) from None
         except ApiError as exc:
             image_path.unlink(missing_ok=True)
             if exc.status in (400, 415, 422):
