@@ -55,12 +55,12 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from distvideo.config import Naming
     from distvideo.models.embedded import embedded_model_path
     from distvideo.models.family import IMAGE_REQUIRED
     from distvideo.models.hub import resolve_model
     from distvideo.models.registry import probe_model
     from distvideo.parallel.planner import plan_for
-    from distvideo.config import Naming
     from distvideo.request import GenerationRequest
 
     _check(args)
