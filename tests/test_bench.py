@@ -160,9 +160,9 @@ BAD_INPUTS = [
     (["--model", "/nonexistent/model"], "--model"),
     (["--runs", "0"], "--runs"),
     (["--warmup", "-1"], "--warmup"),
-    (["--height", "50"], "height"),
-    (["--num-frames", "10"], "num_frames"),
-    (["--steps", "0"], "num_inference_steps"),
+    (["--height", "50"], "--height 50"),
+    (["--num-frames", "10"], "--num-frames 10"),
+    (["--steps", "0"], "--steps 0"),
     (["--json", "/nonexistent/folder/out.json"], "--json"),
     (["--compare", "comfyui"], "--compare"),
     (["--lora", "style.safetensors"], "--lora"),  # diffusers would run without it
