@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from distvideo.cli.main import main
+from distvideo.errors import ConfigError
 
 from conftest import read_video
 
@@ -172,11 +173,16 @@ def test_an_output_folder_that_cannot_be_made_exits_2_before_loading(capsys):
     assert not Path("/sys/distvideo_out").exists()
 
 
-def test_the_output_check_leaves_nothing_behind(tmp_path):
+def test_the_output_check_makes_the_folder_and_leaves_no_file(tmp_path):
+    """The folder is made as the writer would make it (and stays: ranks may check one folder at once); the probe file
+    is removed; a folder that cannot be used is not left made."""
     from distvideo.paths import check_output_target
 
-    check_output_target(tmp_path / "a" / "b" / "clip.mp4")  # made, probed with a file, removed again
-    assert list(tmp_path.iterdir()) == []
+    check_output_target(tmp_path / "a" / "b" / "clip.mp4")
+    assert [p.relative_to(tmp_path).as_posix() for p in sorted(tmp_path.rglob("*"))] == ["a", "a/b"]
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match="not a folder"):
+        check_output_target(tmp_path / "file" / "c" / "clip.mp4")
 
 
 def test_a_video_that_cannot_be_written_nor_kept_says_the_frames_are_lost(tmp_path, capsys, monkeypatch):

@@ -226,9 +226,9 @@ def check_video_output(
     """Everything about writing a request's video that can be checked before generating it (the path, the folder,
     the encoder's settings); ConfigError naming the parameter as `name` on a problem, else the path the video would
     get now."""
-    target = resolve_output_path(output_path, prompt, seed)
-    check_output_target(target, name)
     check_encoder(width, height, fps)
+    target = resolve_output_path(output_path, prompt, seed)
+    check_output_target(target, name)  # last: it makes the folder, which only a request that can run should get
     return target
 
 

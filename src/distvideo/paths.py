@@ -75,7 +75,7 @@ def check_output_target(target: Path, name: str = "output_path") -> None:
     """Refuse (ConfigError, naming the parameter `name`) an output the writer could not create, before any work: a
     folder that is a file, a folder or the nearest existing ancestor not writable, a name too long for the file
     system. Permission bits do not prove it (root passes `os.access` on a read-only mount or on /sys), so the folder
-    is made and a file created in it, exclusively; what the probe made is removed again."""
+    is made, as the writer would make it, and a file created in it, exclusively, and removed again."""
     problem = path_problem(str(target))
     if problem:
         raise ConfigError(f"{name} {str(target)!r}: {problem}")
@@ -88,28 +88,25 @@ def check_output_target(target: Path, name: str = "output_path") -> None:
     what = "the folder" if existing == folder else f"{existing}, where its folder would be created,"
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"{name} {str(target)!r}: {what} is not writable by this user")
-    _prove_writable(folder, existing, f"{name} {str(target)!r}: {what} is not writable")
+    _prove_writable(folder, f"{name} {str(target)!r}: {what} is not writable")
 
 
-def _prove_writable(folder: Path, existing: Path, refusal: str) -> None:
-    """Make `folder` (below `existing`, the nearest ancestor there is) and an exclusive temporary file in it; remove
-    both again, and raise ConfigError(`refusal` and the OS's reason) when either cannot be made."""
-    made = []
+def _prove_writable(folder: Path, refusal: str) -> None:
+    """Make `folder` with its parents (as the writer would) and an exclusive temporary file in it, removed again; on
+    failure remove the folders this made and raise ConfigError(`refusal` and the OS's reason). A folder made stays:
+    ranks (and other processes) may check the same folder at once, and one's removal would pull it from under
+    another's probe."""
+    missing = [p for p in (folder, *folder.parents) if not os.path.lexists(p)]  # the deepest first
     try:
-        for parent in reversed([folder, *folder.parents]):
-            if os.path.lexists(parent):
-                continue
-            os.mkdir(parent)
-            made.append(parent)
+        os.makedirs(folder, exist_ok=True)
         fd, probe = tempfile.mkstemp(dir=folder, prefix=".distvideo-probe-")
         os.close(fd)
         os.unlink(probe)
     except OSError as exc:
-        raise ConfigError(f"{refusal} ({exc.strerror or exc})") from None
-    finally:
-        for parent in reversed(made):
-            with contextlib.suppress(OSError):  # another writer's file in it meanwhile: theirs to keep
+        for parent in missing:
+            with contextlib.suppress(OSError):  # not made, or another writer's file in it meanwhile: theirs
                 os.rmdir(parent)
+        raise ConfigError(f"{refusal} ({exc.strerror or exc})") from None
 
 
 def resolve_lora_path(path: str | Path) -> Path:
