@@ -173,12 +173,14 @@ def test_an_output_folder_that_cannot_be_made_exits_2_before_loading(capsys):
     assert not Path("/sys/distvideo_out").exists()
 
 
-def test_the_output_check_makes_the_folder_and_leaves_no_file(tmp_path):
-    """The folder is made as the writer would make it (and stays: ranks may check one folder at once); the probe file
-    is removed; a folder that cannot be used is not left made."""
+def test_the_output_check_leaves_nothing_behind_but_a_batchs_folder(tmp_path):
+    """The folder is made and a file created in it, and both are removed again (a run that fails later leaves
+    nothing); a batch, whose ranks all check its folder at once, keeps the folder (and never a probe file)."""
     from distvideo.paths import check_output_target
 
     check_output_target(tmp_path / "a" / "b" / "clip.mp4")
+    assert list(tmp_path.iterdir()) == []
+    check_output_target(tmp_path / "a" / "b" / "manifest.jsonl", keep_folder=True)
     assert [p.relative_to(tmp_path).as_posix() for p in sorted(tmp_path.rglob("*"))] == ["a", "a/b"]
     (tmp_path / "file").write_text("")
     with pytest.raises(ConfigError, match="not a folder"):

@@ -228,7 +228,7 @@ def check_video_output(
     get now."""
     check_encoder(width, height, fps)
     target = resolve_output_path(output_path, prompt, seed)
-    check_output_target(target, name)  # last: it makes the folder, which only a request that can run should get
+    check_output_target(target, name)  # last: the costliest (it makes the folder and a file, and removes them)
     return target
 
 

@@ -71,11 +71,13 @@ def first_free(target: Path) -> Path:
         n += 1
 
 
-def check_output_target(target: Path, name: str = "output_path") -> None:
+def check_output_target(target: Path, name: str = "output_path", *, keep_folder: bool = False) -> None:
     """Refuse (ConfigError, naming the parameter `name`) an output the writer could not create, before any work: a
     folder that is a file, a folder or the nearest existing ancestor not writable, a name too long for the file
     system. Permission bits do not prove it (root passes `os.access` on a read-only mount or on /sys), so the folder
-    is made, as the writer would make it, and a file created in it, exclusively, and removed again."""
+    is made as the writer would make it and a file created in it, exclusively; both are removed again, unless
+    `keep_folder` (a batch, whose ranks all check its folder at once: one's removal would pull it from under
+    another's probe)."""
     problem = path_problem(str(target))
     if problem:
         raise ConfigError(f"{name} {str(target)!r}: {problem}")
@@ -88,25 +90,32 @@ def check_output_target(target: Path, name: str = "output_path") -> None:
     what = "the folder" if existing == folder else f"{existing}, where its folder would be created,"
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"{name} {str(target)!r}: {what} is not writable by this user")
-    _prove_writable(folder, f"{name} {str(target)!r}: {what} is not writable")
+    _prove_writable(folder, f"{name} {str(target)!r}: {what} is not writable", keep_folder)
 
 
-def _prove_writable(folder: Path, refusal: str) -> None:
-    """Make `folder` with its parents (as the writer would) and an exclusive temporary file in it, removed again; on
-    failure remove the folders this made and raise ConfigError(`refusal` and the OS's reason). A folder made stays:
-    ranks (and other processes) may check the same folder at once, and one's removal would pull it from under
-    another's probe."""
-    missing = [p for p in (folder, *folder.parents) if not os.path.lexists(p)]  # the deepest first
-    try:
-        os.makedirs(folder, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=folder, prefix=".distvideo-probe-")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as exc:
+def _prove_writable(folder: Path, refusal: str, keep_folder: bool) -> None:
+    """Make `folder` with its parents and an exclusive temporary file in it, and remove the file; remove the folders
+    this made too when it fails or unless `keep_folder`. ConfigError(`refusal` and the OS's reason) when either
+    cannot be made."""
+    for attempt in range(3):
+        missing = [p for p in (folder, *folder.parents) if not os.path.lexists(p)]  # the deepest first
+        failure: OSError | None = None
+        try:
+            os.makedirs(folder, exist_ok=True)
+            fd, probe = tempfile.mkstemp(dir=folder, prefix=".distvideo-probe-")
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as exc:  # FileNotFoundError: another process's check removed the folder it made: again
+            failure = exc
+        if failure is None and keep_folder:
+            return
         for parent in missing:
-            with contextlib.suppress(OSError):  # not made, or another writer's file in it meanwhile: theirs
+            with contextlib.suppress(OSError):  # another writer's file in it meanwhile: theirs
                 os.rmdir(parent)
-        raise ConfigError(f"{refusal} ({exc.strerror or exc})") from None
+        if failure is None:
+            return
+        if not isinstance(failure, FileNotFoundError) or attempt == 2:
+            raise ConfigError(f"{refusal} ({failure.strerror or failure})") from None
 
 
 def resolve_lora_path(path: str | Path) -> Path:

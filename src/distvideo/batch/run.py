@@ -75,7 +75,7 @@ def plan_batch(
 ) -> BatchPlan:
     """Resolve the items and read the manifest: what is already done, what is left. No weights, no process."""
     out = Path(folder)
-    check_output_target(out / "manifest.jsonl")
+    check_output_target(out / "manifest.jsonl", keep_folder=True)  # every rank plans at once; the batch writes there
     items = build_items(raw, model, defaults=defaults, batch_seed=batch_seed)
     _refuse_unwritable_names(items, out)
     finished = Manifest(out).finished((i.index, i.fingerprint) for i in items if i.request is not None)
