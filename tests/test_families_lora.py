@@ -41,7 +41,7 @@ def test_each_expert_has_its_own_adapters(tmp_path_factory):
         assert gen.collective_rpc(transformer_digest)[0] == base_digest, "cleared: both experts bit for bit"
         state = gen.collective_rpc(describe)[0]
         assert state["active"] == [] and state["transformer_2"] == {
-            "active": [], "merged": True, "cached": ["low"], "touched_layers": 0
+            "active": [], "merged": True, "separate": False, "cached": ["low"], "touched_layers": 0
         }  # fmt: skip
 
 

@@ -283,7 +283,7 @@ def test_broken_adapters_are_refused_naming_the_key(lora_gen, tmp_path, change, 
     assert f"{key} " in str(info.value), f"the error does not name {key}: {info.value}"
     assert lora_gen.collective_rpc(lambda w: w.lora["transformer"].describe() if w.lora else None)[0] in (
         None,
-        {"active": [], "merged": True, "cached": [], "touched_layers": 0},
+        {"active": [], "merged": True, "separate": False, "cached": [], "touched_layers": 0},
     )
 
 

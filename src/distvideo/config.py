@@ -30,6 +30,9 @@ DEVICE_TYPES = (
     *("vulkan", "mps", "meta", "hpu", "mtia", "privateuseone"),
 )
 OFFLOAD_MODES = ("none", "text", "model")  # what waits in host memory until its stage (pipelines/offload.py)
+QUANTIZE_MODES = ("none", "int8", "int8-weight", "fp8", "fp8-weight")  # what each one does: models/quantize.py
+ATTENTION_BACKENDS = ("sdpa", "sage", "flash")  # sdpa: torch's; sage, flash: CUDA kernels where installed
+QUANTIZED_SHARDS = "FSDP2 splits each parameter by rows; torchao's quantized tensors do not implement aten.split"
 
 
 # -- the names of an option ------------------------------------------------------------------------------------------
@@ -239,6 +242,18 @@ class EngineConfig:
         "text encoders (text), also image encoder and VAE (model): in host memory until their stage (DISTVIDEO_OFFLOAD)",
         choices=OFFLOAD_MODES,
     )
+    quantize: str | None = _option(
+        "8-bit weights of the denoising transformer(s): int8 (weights and activations; CPU, CUDA), int8-weight, fp8 "
+        "(CUDA, compute capability 8.9+), fp8-weight (float8 storage: memory, not speed); default none",
+        choices=QUANTIZE_MODES,
+    )
+    quantize_text_encoder: str | None = _option(
+        "the same for the text encoder(s) (default none)", choices=QUANTIZE_MODES
+    )
+    attention: str | None = _option(
+        "attention kernel: sdpa (default), sage (SageAttention) or flash (FlashAttention) on CUDA where installed",
+        choices=ATTENTION_BACKENDS,
+    )
     offload_experts: bool | None = _option("Wan2.2 A14B: the inactive expert waits in host memory (default: on CUDA)")
     progress: bool | None = _option("show the denoising progress bar on the output rank (default on)")
     log_level: str | None = _option("log level of distvideo's logger (default INFO)", choices=LOG_LEVELS)
@@ -257,6 +272,9 @@ class EngineConfig:
         return dataclasses.replace(
             self,
             shard_weights=self.shard_weights or "none",
+            quantize=self.quantize or "none",
+            quantize_text_encoder=self.quantize_text_encoder or "none",
+            attention=self.attention or "sdpa",
             compact_text_padding=_default(self.compact_text_padding, envs.get("DISTVIDEO_COMPACT_TEXT_PADDING")),
             cpu_kernels=_default(self.cpu_kernels, envs.get("DISTVIDEO_CPU_KERNELS")),
             compile=_default(self.compile, envs.get("DISTVIDEO_COMPILE")),
@@ -274,6 +292,8 @@ class EngineConfig:
         conflicts = [
             (bool(self.compile), "compile", "regional compilation of FSDP-wrapped blocks is not tested yet"),
             (self.offload not in (None, "none"), "offload", "offload moves whole components, a shard stays put"),
+            (self.quantize not in (None, "none"), "quantize", QUANTIZED_SHARDS),
+            (self.quantize_text_encoder not in (None, "none"), "quantize_text_encoder", QUANTIZED_SHARDS),
         ]
         for present, name, why in conflicts:
             if present:

@@ -1,5 +1,4 @@
-"""VideoGenerator: the public facade. It validates requests, owns one executor, and writes the video
-on the output rank."""
+"""VideoGenerator: the public facade. It validates requests, owns one executor, and writes the video on the output rank."""
 
 from __future__ import annotations
 
@@ -39,6 +38,8 @@ class GenerationResult:
     request: GenerationRequest | None = None
     # step caching: {"method", "computed_steps", "skipped_steps": [step indices]}; None when off (docs/caching.md)
     cache: dict[str, Any] | None = None
+    # the output rank's weights per transformer and text encoder: {"mode", "quantized_modules", "bytes"}
+    weights: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 class VideoGenerator:
@@ -240,7 +241,9 @@ class VideoGenerator:
             resolved, invalid = None, exc
         # Under a launcher every rank compares the arguments and whether they were valid, so a request refused on one
         # rank only is refused on every rank (none is left waiting in a collective for it).
-        executor.ensure_consistent("generate", {**request.digest_fields(), "invalid_request": _text_or_none(invalid)})
+        executor.ensure_consistent(
+            "generate", {**request.digest_fields(), "invalid_request": None if invalid is None else str(invalid)}
+        )
         if invalid is not None:
             raise invalid
         assert resolved is not None
@@ -280,6 +283,7 @@ class VideoGenerator:
             peak_memory_mb=out.peak_memory_mb,
             request=request,
             cache=out.cache,
+            weights=out.weights,
         )
 
     # -- control plane ---------------------------------------------------------------------------
@@ -393,7 +397,3 @@ def run_summary(timings: dict[str, float], cache: dict[str, Any] | None) -> str:
         steps = len(skipped) + int(cache.get("computed_steps", 0))
         parts.append(f"cache {cache.get('method')}: skipped {len(skipped)} of {steps} steps {skipped}")
     return ", ".join(parts)
-
-
-def _text_or_none(exc: BaseException | None) -> str | None:
-    return None if exc is None else str(exc)

@@ -30,6 +30,7 @@ from distvideo.models import compat
 from distvideo.models.loading import load_components
 from distvideo.models.memory import USABLE_FRACTION, estimate_request, fitting_size
 from distvideo.models.plans import AppliedPlans, apply_plans, speed_plans
+from distvideo.models.quantize import DeviceKind, check_support, quantize_components, set_attention_backend
 from distvideo.outputs import ItemOutcome, WorkerOutput
 from distvideo.parallel.collectives import collective
 from distvideo.parallel.shard import gathered_bytes
@@ -109,6 +110,9 @@ class Worker:
         self.lora: dict[str, LoraState] = {}  # this rank's adapters per transformer (distvideo.lora.rank)
         self._undo_plans: AppliedPlans | None = None  # calling it removes the plans load_model applied
         self._gathered_bytes = 0  # under sharded weights: full parameters held while the transformer runs
+        #: the transformers' and text encoders' weights on this rank: {component: {"mode", "quantized_modules",
+        #: "bytes"}} (models/quantize.py)
+        self.weights: dict[str, dict[str, Any]] = {}
 
     @property
     def is_output_rank(self) -> bool:
@@ -167,12 +171,13 @@ class Worker:
         from distvideo.pipelines import PIPELINES
 
         model = self.model_info
-        components = load_components(
-            model,
-            component_dtypes(self.device, self.config.dtype),
-            allow_pickle_weights=bool(self.config.allow_pickle_weights),
-        )
+        check_support(self.config, DeviceKind.of(self.device))  # a Ray driver may not see the ranks' devices
+        dtypes = component_dtypes(self.device, self.config.dtype)
+        components = load_components(model, dtypes, allow_pickle_weights=bool(self.config.allow_pickle_weights))
         transformers = model.family.transformers
+        # first: the plans wrap the layers as quantized, and Ulysses keeps the attention backend it finds
+        self.weights = quantize_components(components, model.family, self.config, dtypes)
+        set_attention_backend(components, transformers, self.config.attention or "sdpa")
         plans = [
             *(self.parallel.plans(transformers) if self.parallel is not None else []),
             *speed_plans(self.config, model, sp_size=self.engine.layout.sp_size),
@@ -286,6 +291,7 @@ class Worker:
             timings=batch.timings,
             peak_memory_mb=peak_memory_mb(self.device),
             cache=batch.cache,
+            weights=self.weights,
         )
 
     def execute_batch(

@@ -64,6 +64,8 @@ def rank_weights_mb(worker: Any) -> float:
     under --offload only what stays on the device."""
     import torch
 
+    from distvideo.models.quantize import tensor_bytes
+
     seen: set[int] = set()
     total = 0
     modules = [m for m in vars(worker.pipeline).values() if isinstance(m, torch.nn.Module)]
@@ -74,7 +76,7 @@ def rank_weights_mb(worker: Any) -> float:
             seen.add(id(tensor))
             local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
             if local.device.type == worker.device.type:
-                total += local.numel() * local.element_size()
+                total += tensor_bytes(local)  # a quantized weight: its int8 or float8 data and its scales
     return total / 2**20
 
 
@@ -150,6 +152,7 @@ def distvideo_run(gen: GeneratorHandle, request: GenerationRequest) -> tuple[dic
         "peak_above_loaded_mb_per_rank": [peak - st["in_use_mb"] for peak, st in zip(peaks, starts, strict=True)],
         "memory_metric": starts[0]["metric"],
         "cache": result.cache,  # the step cache's skipped steps (None when off)
+        "weights": result.weights,  # per transformer and text encoder: the quantization mode, its layers, its bytes
     }
     if "compile" in t:  # --compile: seconds torch.compile spent in this request (not in denoising_per_step)
         record["compile_s"] = t["compile"]
@@ -178,6 +181,8 @@ def median_record(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             out[key] = statistics.median(r[key] for r in records)
     if records and records[-1].get("cache") is not None:
         out["cache"] = records[-1]["cache"]  # the same steps every run: the decision depends on the request only
+    if records and records[-1].get("weights"):
+        out["weights"] = records[-1]["weights"]  # as loaded: the same every run
     for key in PER_RANK:
         if records and all(key in r for r in records):
             ranks = len(records[0][key])

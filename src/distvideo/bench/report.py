@@ -182,6 +182,15 @@ def format_report(report: Mapping[str, Any]) -> str:
         per_rank = ours.get(key)
         if per_rank:
             lines.append(f"  {label} per rank (MiB): {', '.join(f'{m:.0f}' for m in per_rank)}")
+    quantized = {name: w for name, w in (ours.get("weights") or {}).items() if w["mode"] != "none"}
+    if quantized:
+        lines.append(
+            "quantized: "
+            + ", ".join(
+                f"{name} {w['mode']} ({w['quantized_modules']} layers, {w['bytes'] / 2**20:.0f} MiB)"
+                for name, w in quantized.items()
+            )
+        )
     cache = ours.get("cache")
     if cache is not None:
         lines.append(

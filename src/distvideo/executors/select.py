@@ -70,6 +70,11 @@ def resolve_engine(
     launch = resolve_external_env(config, environ) if kind == "external" else None
     if kind == "ray":
         check_ray_installed()
+    elif low_precision_asked(config):  # the ranks' devices are this host's (Ray's check at load: its driver may
+        from distvideo.devices import select_device  # have no GPU)
+        from distvideo.models.quantize import DeviceKind, check_support
+
+        check_support(config, DeviceKind.of(select_device(config.device, 0)))
     if kind == "inline" and (config.num_gpus or 1) != 1:
         n = config.naming
         raise ConfigError(
@@ -90,6 +95,12 @@ def resolve_engine(
     logger.debug("executor %s, parallel layout: %s", kind, layout.describe())
     config = dataclasses.replace(config, executor=kind).with_defaults()
     return ResolvedEngine(config=config, model=model, layout=layout, launch=launch)
+
+
+def low_precision_asked(config: EngineConfig) -> bool:
+    """Whether `config` asks for quantized weights or an attention kernel other than sdpa."""
+    quantized = (config.quantize, config.quantize_text_encoder)
+    return any(mode not in (None, "none") for mode in quantized) or config.attention not in (None, "sdpa")
 
 
 def create_executor(engine: ResolvedEngine) -> Executor:

@@ -23,6 +23,7 @@ from torch import nn
 
 from distvideo.lora.formats import LoraError, LoraFile, LoraLayerWeights
 from distvideo.lora.sharded import local_rows, reshard
+from distvideo.models.quantize import is_low_precision
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +176,9 @@ def _to(x: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
 
 @dataclass
 class LoraState:
-    """The LoRA state of one model on one rank: cached adapters, the active ones, merged or applied on the fly."""
+    """The LoRA state of one model on one rank: cached adapters, the active ones, merged or applied on the fly. On a
+    quantized base (--quantize) the adapters always apply on the fly, as a separate full-precision path beside the
+    quantized layers: merging would round the adapter into the base's 8 bits, and the base stays as loaded."""
 
     model: nn.Module
     linears: dict[str, nn.Linear] = field(default_factory=dict)
@@ -187,10 +190,13 @@ class LoraState:
     _base: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)  # CPU copies
     _hooks: list[Any] = field(default_factory=list)
     _undo: _Undo | None = None
+    separate: bool = field(default=False, init=False)  # set from the base's weights
 
     def __post_init__(self) -> None:
         if not self.linears:
             self.linears = linear_layers(self.model)
+        self.separate = any(is_low_precision(layer.weight) for layer in self.linears.values())
+        self.merged = self.merged and not self.separate
 
     # -- phase 1: prepare (no weight changes) -----------------------------------------------------
     def prepare(
@@ -302,6 +308,11 @@ class LoraState:
     # -- weights -----------------------------------------------------------------------------------
     @torch.no_grad()
     def _apply(self, active: list[tuple[str, float]], merged: bool) -> None:
+        if self.separate:  # a quantized base: its weights never change
+            self._remove_hooks()
+            self._install_hooks(active, {name for nickname, _ in active for name in self.cache[nickname].layers})
+            self.active, self.merged = list(active), False
+            return
         reshard(self.model)  # sharded weights: write the shards, not a gathered copy
         touched = {name for nickname, _ in active for name in self.cache[nickname].layers}
         for name in list(self._base):  # layers no adapter touches any more: base weights back, copy dropped
@@ -383,6 +394,7 @@ class LoraState:
         return {
             "active": [list(a) for a in self.active],
             "merged": self.merged,
+            "separate": self.separate,  # adapters on a quantized base: a full-precision path, never merged
             "cached": sorted(self.cache),
             "touched_layers": len(self._base),
         }

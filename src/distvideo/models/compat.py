@@ -323,3 +323,42 @@ def ray_bootstrap_address(address: str | None) -> str | None:
 
     running: str | None = services.canonicalize_bootstrap_address(address)  # type: ignore[arg-type]
     return running
+
+
+# --- torchao: imported when quantizing, not before ------------------------------------------------------------------
+@functools.cache
+def defer_torchao() -> None:
+    """Keep diffusers and transformers from importing torchao when they load a model. Both import it eagerly wherever
+    it is installed (diffusers to register its tensor types as safe to unpickle, transformers for its quantizer):
+    2.7 s of every rank's start on a 2-core machine, and warnings about its CUDA extensions on a CPU. distvideo loads
+    only safetensors, refuses pre-quantized checkpoints (models/loading.py) and calls torchao itself when a mode
+    asks for it (torchao_quantization), so neither library needs it. Called before the first model loads; a process
+    whose libraries imported torchao already keeps it."""
+    import diffusers.utils.import_utils as diffusers_imports
+    import transformers.utils as transformers_utils
+    import transformers.utils.import_utils as transformers_imports
+
+    def unavailable(*args: Any, **kwargs: Any) -> bool:
+        return False
+
+    diffusers_imports._torchao_available = False
+    transformers_imports.is_torchao_available = unavailable  # type: ignore[assignment]
+    transformers_utils.is_torchao_available = unavailable  # type: ignore[assignment]
+
+
+def torchao_quantization() -> Any:
+    """``torchao.quantization``, imported without the warnings of its import on a machine without its CUDA kernels
+    (extensions it fails to load, torch's notice about its enum registrations)."""
+    import sys
+
+    if "torchao.quantization" not in sys.modules:
+        loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+        levels = [log.level for log in loggers]
+        for log in loggers:
+            log.setLevel(logging.ERROR)
+        try:
+            import torchao.quantization  # noqa: F401
+        finally:
+            for log, level in zip(loggers, levels, strict=True):
+                log.setLevel(level)
+    return sys.modules["torchao.quantization"]

@@ -31,6 +31,9 @@ class ModelFamily:
     compact_text: bool = True  # whether the text-padding plan (Wan's text-only cross-attention) applies
     size_from_image: bool = False  # an unset height and width follow the image's aspect-ratio bucket (HunyuanVideo)
     step_cache: bool = True  # whether --cache serves it (its transformer's blocks declared in pipelines/caching.py)
+    #: the transformer's layers --quantize leaves in full precision (regular expressions searched in module names,
+    #: as diffusers' layerwise casting reads them): Wan's patch and condition embeddings, norms, output projection
+    full_precision: tuple[str, ...] = ("patch_embedding", "condition_embedder", "norm", "^proj_out$")
 
     @property
     def takes_image(self) -> bool:

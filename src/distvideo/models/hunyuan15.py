@@ -30,6 +30,9 @@ _DEFAULTS = {
     "guidance_scale": 6.0,
     "fps": 24,
 }
+#: what --quantize leaves in full precision: the image, text (with its token refiner) and time embeddings, the norms
+#: with their modulation layers (diffusers' layerwise-casting declaration for the class), the output projection
+_FULL_PRECISION = ("x_embedder", "image_embedder", "context_embedder", "time_embed", "norm", "^proj_out$")
 HUNYUAN15_T2V = ModelFamily(
     name="HunyuanVideo 1.5 T2V",
     class_names=("HunyuanVideo15Pipeline",),
@@ -38,6 +41,7 @@ HUNYUAN15_T2V = ModelFamily(
     defaults=_DEFAULTS,
     description="HunyuanVideo 1.5 text-to-video (Qwen2.5-VL and ByT5 text, dual-stream transformer, 16x VAE)",
     compact_text=False,
+    full_precision=_FULL_PRECISION,
 )
 # Image-to-video: as diffusers' HunyuanVideo15ImageToVideoPipeline, the size is the bucket of the image's aspect ratio
 # at the transformer's target size (480 x 848 stands for it until the image is read); a request may set its own.
@@ -52,6 +56,7 @@ HUNYUAN15_I2V = ModelFamily(
     image_encoder=True,
     compact_text=False,
     size_from_image=True,
+    full_precision=_FULL_PRECISION,
 )
 
 

@@ -23,6 +23,9 @@ _LIBRARIES = ("diffusers", "transformers")
 def component_class(library: str, class_name: str) -> Any:
     if library not in _LIBRARIES:
         raise ModelLoadError(f"component library {library!r} is not supported (expected one of {_LIBRARIES})")
+    from distvideo.models import compat
+
+    compat.defer_torchao()  # before the first model class: neither library needs torchao (see there)
     module = importlib.import_module(library)
     try:
         return getattr(module, class_name)
@@ -95,6 +98,27 @@ def verify_component_files(info: ModelInfo, *, allow_pickle_weights: bool = Fals
         if not allow_pickle_weights and name not in _NO_WEIGHTS:
             library, class_name = info.index[name]
             _refuse_pickles(info.path / name, name, f"{library}.{class_name}")
+        _refuse_quantized(info.path / name, name)
+
+
+def _refuse_quantized(folder: Path, name: str) -> None:
+    """A component saved already quantized (its config.json has a `quantization_config`: bitsandbytes, GGUF, torchao,
+    ...) is refused: distvideo quantizes full-precision weights itself, at load (--quantize)."""
+    config = folder / "config.json"
+    if name in _NO_WEIGHTS or not config.is_file():
+        return
+    try:
+        quantization = json.loads(config.read_text()).get("quantization_config")
+    except (ValueError, OSError, AttributeError):
+        return  # _component_problem reports an unreadable file
+    if quantization:
+        method = quantization.get("quant_method", "unknown") if isinstance(quantization, dict) else "unknown"
+        raise ConfigError(
+            f"--model {folder.parent}: the {name} is saved quantized ({config}: quantization_config, quant_method "
+            f"{method!r}), a format distvideo does not load; use the full-precision checkpoint and --quantize "
+            "int8, int8-weight, fp8 or fp8-weight, which quantizes it at load",
+            param="model",
+        )
 
 
 def _refuse_pickles(folder: Path, name: str, cls: str) -> None:

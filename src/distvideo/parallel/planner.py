@@ -220,7 +220,8 @@ def auto_layout(
             ring_size=config.ring_size,
         )
         return AutoLayout(layout, config.shard_weights or "none", None)
-    blocked = bool(config.compile) or config.offload not in (None, "none")
+    quantized = any(mode not in (None, "none") for mode in (config.quantize, config.quantize_text_encoder))
+    blocked = bool(config.compile) or config.offload not in (None, "none") or quantized
     plan = plan_for(
         model,
         default_request(model),
