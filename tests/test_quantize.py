@@ -142,6 +142,13 @@ def _quantized_weights(worker) -> list:
     return [m.weight for m in modules if type(getattr(m, "weight", None)).__module__.startswith("torchao")]
 
 
+def test_step_caching_skips_steps_over_quantized_blocks(int8_gen):
+    request = dict(num_inference_steps=8, cache="first-block", cache_threshold=5.0)
+    first = int8_gen.generate(PROMPT, **{**REQUEST, **request})
+    assert first.cache["skipped_steps"], first.cache
+    assert np.array_equal(frames(int8_gen, **request), first.frames)
+
+
 @pytest.mark.slow
 def test_two_ranks_on_mp_give_the_single_rank_quantized_frames(tiny_model, int8_gen):
     """Sequence parallelism over int8 layers: within 2 of one rank's int8 frames (another layout), with the same
@@ -196,6 +203,8 @@ def test_unknown_modes_exit_2_naming_the_flag(capsys):
 def test_fp8_is_accepted_on_a_gpu_that_has_float8_and_torchao_is_required():
     config = EngineConfig(quantize="fp8")
     check_support(config, DeviceKind("cuda", (9, 0)))
+    with pytest.raises(ConfigError, match=r"quantize='fp8' with dtype='float32': .*bfloat16"):
+        check_support(EngineConfig(quantize="fp8", dtype="float32"), DeviceKind("cuda", (9, 0)))
     with pytest.raises(ConfigError, match=r"quantize='fp8' needs float8.*compute capability 8.0"):
         check_support(config, DeviceKind("cuda", (8, 0)))
     with pytest.raises(ConfigError, match=r"quantize='int8' needs torchao.*distvideo\[quantize\]"):

@@ -40,6 +40,9 @@ class _DiffusersTimer:
         import torch
         import transformers
 
+        from distvideo.models import compat
+
+        compat.defer_torchao()  # the reference loads as distvideo does (no torchao import, which times nothing)
         for library in (diffusers, transformers):
             library.utils.logging.set_verbosity_error()
             library.utils.logging.disable_progress_bar()

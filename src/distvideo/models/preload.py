@@ -27,6 +27,9 @@ LIBRARIES: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 
 def _import_all() -> None:
+    from distvideo.models import compat
+
+    compat.defer_torchao()  # as loading does: the libraries import no torchao (a mode that needs it imports it)
     for module_name, names in LIBRARIES:
         with contextlib.suppress(ImportError):
             module = importlib.import_module(module_name)

@@ -86,6 +86,12 @@ def check_support(config: EngineConfig, device: DeviceKind, *, has: Callable[[st
                 "(float8 storage, for memory)",
                 param=name,
             )
+        if mode == "fp8" and config.dtype not in (None, "bfloat16"):
+            raise ConfigError(
+                f"{n.subject(name, mode)} with {n.subject('dtype', config.dtype)}: float8 products with row-wise "
+                f"scales take bfloat16 activations; leave {n.label('dtype')} unset (bfloat16 on a GPU) or use int8",
+                param=name,
+            )
     backend = config.attention or "sdpa"
     if backend != "sdpa":
         package = ATTENTION_PACKAGES[backend]
