@@ -46,7 +46,9 @@ from distvideo.testing.shapes import all_captions
 from distvideo.testing.video_check import check_video
 
 CPU_MODES = ("none", "int8", "int8-weight", "fp8-weight")
-SPEED_REQUEST = dict(num_frames=9, height=256, width=256, num_inference_steps=2, guidance_scale=5.0, seed=0)  # 768 tokens
+SPEED_REQUEST = dict(
+    num_frames=9, height=256, width=256, num_inference_steps=2, guidance_scale=5.0, seed=0
+)  # 768 tokens
 
 
 def quality(captions: list[int]) -> dict[str, dict[str, list[float]]]:

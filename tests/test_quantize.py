@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,12 +20,11 @@ from distvideo.config import EngineConfig
 from distvideo.errors import ConfigError
 from distvideo.models.quantize import DeviceKind, check_support, keeps_full_precision
 from family_checkpoints import family_checkpoint
+from launch_groups import torchrun_case
+from rank_scripts.quantize_ranks import PROMPT, REQUEST, SP2
 from test_hunyuan import hunyuan_checkpoint
 
 from conftest import max_abs_diff
-
-REQUEST = dict(num_frames=5, height=32, width=48, num_inference_steps=2, seed=0, guidance_scale=5.0, save_video=False)
-PROMPT = "a red ball moving right on a black background"
 
 
 def frames(gen: VideoGenerator, **kwargs) -> np.ndarray:
@@ -149,31 +149,59 @@ def test_step_caching_skips_steps_over_quantized_blocks(int8_gen):
     assert np.array_equal(frames(int8_gen, **request), first.frames)
 
 
+def _torchrun_argv(folder: Path, environ: dict[str, str]) -> list[str]:
+    return [str(Path(__file__).parent / "rank_scripts" / "quantize_ranks.py"), str(folder / "out")]
+
+
+# in the background, in turn with other modules' 2-rank scripts (launch_groups.py)
+LAUNCH = torchrun_case("int8 at sp2 under torchrun", 2, _torchrun_argv, timeout=300)
+BACKGROUND_JOBS = {"launched": LAUNCH.hooks}
+launched = LAUNCH.fixture("launched")
+
+
+@pytest.mark.launcher
 @pytest.mark.slow
-def test_two_ranks_on_mp_give_the_single_rank_quantized_frames(tiny_model, int8_gen):
-    """Sequence parallelism over int8 layers: within 2 of one rank's int8 frames (another layout), with the same
-    weight report on every rank."""
+def test_sp2_int8_frames_are_the_same_bytes_on_mp_and_torchrun_and_within_2_of_one_rank(tiny_model, int8_gen, launched):
+    """Sequence parallelism over int8 layers: the same layout gives the same bytes on mp and under torchrun (the
+    external executor), within 2 of one rank's int8 frames (another layout), with the same weight report on every
+    rank of both."""
+    from launchers import format_output
+
     single = frames(int8_gen)
-    with VideoGenerator.from_pretrained(
-        tiny_model, executor="mp", num_gpus=2, sp_size=2, cfg_parallel=False, quantize="int8", progress=False
-    ) as gen:
+    with VideoGenerator.from_pretrained(tiny_model, executor="mp", quantize="int8", progress=False, **SP2) as gen:
         result = gen.generate(PROMPT, **REQUEST)
         reports = gen.collective_rpc(lambda w: w.weights)
     assert max_abs_diff(result.frames, single) <= 2
     assert reports[0] == reports[1] == result.weights and result.weights["transformer"]["quantized_modules"] > 0
+    folder, proc = launched
+    assert proc.returncode == 0, format_output(proc)
+    assert np.array_equal(np.load(folder / "out" / "frames.npy"), result.frames), "torchrun's frames are not mp's"
+    for rank in (0, 1):
+        assert json.loads((folder / "out" / f"weights{rank}.json").read_text()) == result.weights
 
 
 def test_every_family_runs_int8(tmp_path_factory):
-    """Wan2.2 A14B (both experts) and HunyuanVideo 1.5 with int8 weights and activations: frames on every run alike."""
-    for model, request in [
-        (family_checkpoint(tmp_path_factory, "wan22_t2v_a14b"), dict(REQUEST, num_inference_steps=4)),
-        (hunyuan_checkpoint(tmp_path_factory), dict(REQUEST, height=48, width=80)),
+    """Wan2.2 A14B (both experts) and HunyuanVideo 1.5 (both text encoders) with int8 weights and activations and
+    int8 text encoders: frames on every run alike."""
+    for model, request, quantized in [
+        (
+            family_checkpoint(tmp_path_factory, "wan22_t2v_a14b"),
+            dict(REQUEST, num_inference_steps=4),
+            ("transformer", "transformer_2", "text_encoder"),
+        ),
+        (
+            hunyuan_checkpoint(tmp_path_factory),
+            dict(REQUEST, height=48, width=80),
+            ("transformer", "text_encoder", "text_encoder_2"),
+        ),
     ]:
-        with VideoGenerator.from_pretrained(model, executor="inline", quantize="int8", progress=False) as gen:
+        with VideoGenerator.from_pretrained(
+            model, executor="inline", quantize="int8", quantize_text_encoder="int8-weight", progress=False
+        ) as gen:
             result = gen.generate(PROMPT, **request)
             assert np.array_equal(result.frames, gen.generate(PROMPT, **request).frames)
-        transformers = gen.engine.model.family.transformers
-        assert all(result.weights[name]["quantized_modules"] > 0 for name in transformers), result.weights
+        assert sorted(result.weights) == sorted(quantized)
+        assert all(result.weights[name]["quantized_modules"] > 0 for name in quantized), result.weights
 
 
 # -- refused before anything loads ----------------------------------------------------------------------------------
