@@ -16,7 +16,11 @@ and what was measured so far is written after every phase):
 5. offload: one engine per `--offload` mode (none, text, model) on the 1.3B-shaped checkpoint, one request at the
    first timed shape (2 steps): device memory after loading, the request's peak, text-encoding and decoding times,
    frames byte-identical to offload=none (gpu_check_offload.py); skipped in --smoke mode;
-6. compile: `distvideo bench --compile` (regional torch.compile of the transformer blocks) on the first timed shape:
+6. quantize: one engine per `--quantize` mode and `--attention` kernel (and fp8 with sage together) at the first
+   timed shape, 4 steps: per-step time and speedup against the unquantized engine, PSNR and max difference of the
+   frames, the weight report (gpu_check_more.py); a setting the device cannot run is skipped with distvideo's
+   refusal (in --smoke mode: int8 runs, fp8 is refused on the CPU);
+7. compile: `distvideo bench --compile` (regional torch.compile of the transformer blocks) on the first timed shape:
    the compiling first run, warm runs beside the bench phase's uncompiled figures, frames against an uncompiled run;
    skipped in --smoke mode (compiling takes 20-35 s on 2 CPU cores; tests/test_compile.py covers it on CPU).
 
@@ -48,7 +52,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-PHASES = ("build", "parity_diffusers", "parity_executors", "bench", "layout_estimate", "caching", "offload", "compile")
+PHASES = (
+    *("build", "parity_diffusers", "parity_executors", "bench", "layout_estimate", "caching", "quantize", "offload"),
+    "compile",
+)
 WATCHDOG_GRACE_S = 15.0
 
 
@@ -358,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
         run_phase(run, "layout_estimate", budgets["layout_estimate"], body)
     if "caching" in args.chosen:
         run_phase(run, "caching", budgets["caching"], lambda g: more.caching_phase(sizes, large, g, run.log))
+    if "quantize" in args.chosen:
+        run_phase(run, "quantize", budgets["quantize"], lambda g: more.quantize_phase(sizes, large, g, run.log))
     if "offload" in args.chosen:
         from gpu_check_offload import offload_phase
 

@@ -1,5 +1,6 @@
 """Phases of benchmarks/gpu_check.py added for what landed after it was written (issue 32): step caching on the
-1.3B-shaped checkpoint, and the automatic layout's estimate for one device against the bench phase's measurement.
+1.3B-shaped checkpoint, the automatic layout's estimate for one device against the bench phase's measurement, and
+(issue 51) the low-precision modes and attention kernels against the unquantized engine.
 
 Ring attention and sharded weights have no phase: on one device both are no-ops (a ring of one rank, a replica of
 one rank holds every weight; `ParallelContext.shard_plans` applies nothing), and two NCCL ranks cannot share one GPU.
@@ -160,6 +161,7 @@ def markdown_lines(result: dict[str, Any]) -> list[str]:
                 f"{skipped} | {'' if psnr_db is None else f'{psnr_db:.1f}'} | "
                 f"{(r.get('vs_uncached') or {}).get('max_abs_diff', '')} |"
             )
+    lines += _quantize_lines(result["phases"].get("quantize", {}))
     estimate = result["phases"].get("layout_estimate", {})
     if estimate.get("shapes"):
         lines += ["", "## the automatic layout's estimate for one device", ""]
@@ -171,4 +173,94 @@ def markdown_lines(result: dict[str, Any]) -> list[str]:
                 f"| {key} | {s['measured_step_s']} | {s['estimated_step_s']} | {s['estimate_over_measured']} | "
                 f"{'' if mfu is None else f'{100 * mfu:.1f}%'} |"
             )
+    return lines
+
+
+#: the low-precision settings timed against the unquantized engine (docs/performance.md, "Low precision"); on the
+#: GPU every one, each alone and then the fast ones together; in --smoke mode int8 runs and fp8 shows its refusal
+QUANTIZE_RUNS: tuple[dict[str, str], ...] = (
+    {"quantize": "int8"},
+    {"quantize": "int8-weight"},
+    {"quantize": "fp8"},
+    {"quantize": "fp8-weight"},
+    {"attention": "sage"},
+    {"attention": "flash"},
+    {"quantize": "fp8", "attention": "sage"},
+)
+SMOKE_QUANTIZE_RUNS: tuple[dict[str, str], ...] = ({"quantize": "int8"}, {"quantize": "fp8"})
+QUANTIZE_STEPS = 4  # per-step figures: a few steps after a one-step warm-up
+
+
+def quantize_phase(sizes: Any, large: str, guard: Any, progress: Callable[[str], None]) -> dict[str, Any]:
+    """On the large checkpoint at the first timed shape, one engine per setting (the unquantized one first): the
+    denoising time per step and its speedup, the frames' PSNR and max difference against the unquantized frames,
+    and the weight report (quantized layers and bytes per component: the proof that the mode ran). A setting the
+    device cannot run is recorded as skipped with distvideo's refusal; one that would not fit the time left too."""
+    import torch
+    from gpu_check_phases import bench_plan, frame_diff
+
+    from distvideo.bench.measure import distvideo_run
+    from distvideo.errors import ConfigError
+    from distvideo.generator import VideoGenerator
+    from distvideo.models.quantize import DeviceKind, check_support
+
+    shape = sizes.shapes[0]
+    plan = bench_plan(large, sizes, shape, QUANTIZE_STEPS, compare=False)
+    base = dataclasses.replace(plan.request, save_video=False, return_frames=True)
+    device = DeviceKind.of(torch.device(sizes.device or "cuda"))
+    runs = SMOKE_QUANTIZE_RUNS if sizes.mode == "smoke" else QUANTIZE_RUNS
+    out: dict[str, Any] = {"status": "ok", "shape": f"{shape['num_frames']}x{shape['height']}x{shape['width']}"}
+    out |= {"steps": QUANTIZE_STEPS, "runs": {}}
+    reference: tuple[dict[str, Any], Any] | None = None
+    one_run = 0.0
+    for settings in ({}, *runs):
+        label = ", ".join(f"{name} {value}" for name, value in settings.items()) or "none"
+        config = dataclasses.replace(plan.engine.config, **settings)
+        try:
+            check_support(config, device)
+        except ConfigError as exc:
+            out["runs"][label] = {"status": "skipped", "reason": str(exc)}
+            continue
+        if reference is not None and guard.left() < one_run + 5:
+            out["runs"][label] = {"status": "skipped", "reason": f"{guard.left():.0f} s left in the phase"}
+            continue
+        began = time.monotonic()
+        try:
+            with VideoGenerator.from_engine(dataclasses.replace(plan.engine, config=config)) as gen:
+                distvideo_run(gen, dataclasses.replace(base, num_inference_steps=1))  # kernels, allocator: untimed
+                record, frames = distvideo_run(gen, base)
+        except Exception as exc:  # one setting's failure is that run's result, not the phase's
+            out["runs"][label] = {"status": "error", "error": f"{type(exc).__name__}: {exc}"}
+            out["status"] = "error"
+            continue
+        one_run = max(one_run, time.monotonic() - began)
+        timed = {**_timed(record), "weights": record.get("weights")}
+        if reference is None:
+            reference = (record, frames)
+        else:
+            timed["speedup_denoising"] = round(reference[0]["stages"]["denoising"] / record["stages"]["denoising"], 3)
+            timed["psnr_db"] = psnr(frames, reference[1])
+            timed["vs_unquantized"] = frame_diff(frames, reference[1])
+        out["runs"][label] = {"status": "ok", **timed}
+        progress(f"quantize: {label}: {timed['denoising_per_step_s']:.3f} s/step ({guard.left():.0f} s left)")
+    return out
+
+
+def _quantize_lines(phase: dict[str, Any]) -> list[str]:
+    if not phase.get("runs"):
+        return []
+    lines = ["", f"## low precision, {phase['shape']}, {phase['steps']} steps (random weights)", ""]
+    lines += ["| setting | s/step | speedup | PSNR vs unquantized (dB) | max diff | transformer weights (MiB) |"]
+    lines += ["| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for label, r in phase["runs"].items():
+        if r.get("status", "ok") != "ok":
+            reason = str(r.get("reason") or r.get("error")).replace("|", "/")
+            lines.append(f"| {label} | {r['status']}: {reason} | | | | |")
+            continue
+        psnr_db, weights = r.get("psnr_db"), (r.get("weights") or {}).get("transformer", {})
+        lines.append(
+            f"| {label} | {r['denoising_per_step_s']:.4f} | {r.get('speedup_denoising', 1.0):.2f} | "
+            f"{'' if psnr_db is None else f'{psnr_db:.1f}'} | {(r.get('vs_unquantized') or {}).get('max_abs_diff', '')} "
+            f"| {weights.get('bytes', 0) / 2**20:.1f} |"
+        )
     return lines

@@ -6,6 +6,7 @@ Executors create exactly one Worker per rank and reach it only through `execute_
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 from collections.abc import Callable
@@ -171,7 +172,8 @@ class Worker:
         from distvideo.pipelines import PIPELINES
 
         model = self.model_info
-        check_support(self.config, DeviceKind.of(self.device))  # a Ray driver may not see the ranks' devices
+        ringed = dataclasses.replace(self.config, ring_size=self.engine.layout.ring_size)
+        check_support(ringed, DeviceKind.of(self.device))  # a Ray driver may not see the ranks' devices
         dtypes = component_dtypes(self.device, self.config.dtype)
         components = load_components(model, dtypes, allow_pickle_weights=bool(self.config.allow_pickle_weights))
         transformers = model.family.transformers

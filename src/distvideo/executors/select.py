@@ -70,11 +70,6 @@ def resolve_engine(
     launch = resolve_external_env(config, environ) if kind == "external" else None
     if kind == "ray":
         check_ray_installed()
-    elif low_precision_asked(config):  # the ranks' devices are this host's (Ray's check at load: its driver may
-        from distvideo.devices import select_device  # have no GPU)
-        from distvideo.models.quantize import DeviceKind, check_support
-
-        check_support(config, DeviceKind.of(select_device(config.device, 0)))
     if kind == "inline" and (config.num_gpus or 1) != 1:
         n = config.naming
         raise ConfigError(
@@ -89,6 +84,12 @@ def resolve_engine(
     per_node = launch.local_world_size if launch is not None else world_size
     chosen = auto_layout(config, model, world_size, per_node, objective=objective)
     layout = chosen.layout
+    if kind != "ray" and low_precision_asked(config):  # the ranks' devices are this host's (under Ray the ranks check
+        from distvideo.devices import select_device  # at load: the driver may have no GPU); the ring as chosen
+        from distvideo.models.quantize import DeviceKind, check_support
+
+        ringed = dataclasses.replace(config, ring_size=layout.ring_size)
+        check_support(ringed, DeviceKind.of(select_device(config.device, 0)))
     if chosen.plan is not None:
         config = dataclasses.replace(config, shard_weights=chosen.shard_weights)
         logger.debug("automatic layout: %s", "; ".join(chosen.plan.reasons))
