@@ -170,6 +170,16 @@ def test_memory_per_rank_divides_what_is_split():
     assert memory(1, 2, 4, 1) - memory(1, 2, 4, 1, "transformer") == weights * 7 // 8 - gathered
 
 
+def test_quantized_weights_count_one_byte_per_parameter():
+    """--quantize holds a transformer parameter in one byte (int8 or float8): the plan's weights are half bfloat16's."""
+    request = dataclasses.replace(WAN14B_720P, decode_bytes=0, video_bytes=0)
+    quantized = dataclasses.replace(WAN14B, weight_bytes=1)
+    shape = Shape(1, 1, 8, 1)
+    assert memory_per_rank(WAN14B, request, shape) - memory_per_rank(quantized, request, shape) == (
+        WAN14B.transformer_params * WAN14B.experts
+    )
+
+
 # (world, ranks per node, heads) -> (replicas, cfg, ulysses, ring): Ulysses inside a node, ring and CFG across
 NODES = [
     (8, 8, 40, (1, 2, 4, 1)),

@@ -40,6 +40,16 @@ def test_plan_says_what_the_engine_runs(world, capsys):
     assert plan["world"] == world and len(plan["candidates"]) >= 1 and plan["reasons"]
 
 
+def test_a_quantized_plan_holds_the_weights_in_one_byte_and_never_shards(capsys):
+    args = ["plan", "--num-gpus", "4", "--device", "cuda", "--json"]
+    assert main(args) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*args, "--quantize", "int8"]) == 0
+    quantized = json.loads(capsys.readouterr().out)
+    assert quantized["chosen"]["memory_per_rank_bytes"] < plain["chosen"]["memory_per_rank_bytes"]
+    assert {c["shard"] for c in plain["candidates"]} > {"none"} == {c["shard"] for c in quantized["candidates"]}
+
+
 def test_plan_across_nodes_and_for_throughput(capsys):
     args = ["plan", "--num-gpus", "8", "--nodes", "2", "--device", "cuda", "--memory-gib", "80"]
     assert main([*args, "--json", "--height", "480", "--width", "832", "--num-frames", "81"]) == 0

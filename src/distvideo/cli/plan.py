@@ -11,6 +11,7 @@ import json
 from typing import Any
 
 from distvideo import envs
+from distvideo.config import QUANTIZE_MODES
 from distvideo.errors import ConfigError
 
 OBJECTIVES = ("latency", "throughput")
@@ -28,6 +29,10 @@ def add_plan_parser(sub: Any) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), help="device kind (default: cuda when a GPU is present)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default: bfloat16 on cuda")
     p.add_argument("--memory-gib", dest="memory_gib", type=float, help="memory per rank (default: the device's)")
+    p.add_argument("--quantize", choices=QUANTIZE_MODES, help="the transformers' weights in 8 bits (as generate)")
+    p.add_argument(
+        "--quantize-text-encoder", dest="quantize_text_encoder", choices=QUANTIZE_MODES, help="the text encoders'"
+    )
     p.add_argument(
         "--objective",
         choices=OBJECTIVES,
@@ -82,6 +87,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         memory_bytes=memory,
         objective=args.objective,
+        quantize=args.quantize,
+        quantize_text_encoder=args.quantize_text_encoder,
+        can_shard=all(mode in (None, "none") for mode in (args.quantize, args.quantize_text_encoder)),
     )
     from distvideo.parallel.planner import device_figures, device_kind
 

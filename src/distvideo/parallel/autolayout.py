@@ -40,6 +40,7 @@ class ModelFigures:
     other_bytes: int = 0
     dtype_bytes: int = 2
     text_tokens: int = 512
+    weight_bytes: float = 0  # bytes a transformer parameter is held in (--quantize: 1); 0: dtype_bytes
 
 
 @dataclass(frozen=True)
@@ -207,7 +208,12 @@ def memory_per_rank(model: ModelFigures, request: RequestFigures, shape: Shape) 
     two blocks and the layers outside the blocks that a sharded rank holds at once) and the larger of the
     transformer's working set (1/sp of the tokens) and the decode's (one band) with the video."""
     n, b = shape.replica_size, model.dtype_bytes
-    transformer, text, gathered = model.transformer_params * b * model.experts, model.text_encoder_bytes, 0
+    held = model.weight_bytes or b
+    transformer, text, gathered = (
+        math.ceil(model.transformer_params * held) * model.experts,
+        model.text_encoder_bytes,
+        0,
+    )
     if shape.shard != "none" and n > 1:
         outside = max(0, model.transformer_params - model.layers * model.block_params)
         gathered = (2 * model.block_params + outside) * b

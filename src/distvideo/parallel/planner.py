@@ -118,9 +118,17 @@ def _params(model: ModelInfo, name: str) -> int:
     return sum(_tensor_counts(folder).values()) if folder.is_dir() else 0
 
 
-def model_figures(model: ModelInfo, dtype_bytes: int, *, text_on_device: bool = True) -> ModelFigures:
+def model_figures(
+    model: ModelInfo,
+    dtype_bytes: int,
+    *,
+    text_on_device: bool = True,
+    quantize: str | None = None,
+    quantize_text_encoder: str | None = None,
+) -> ModelFigures:
     """The cost model's view of a checkpoint: the first transformer's shape and parameters (its largest block
-    too), and the bytes of the components held beside it."""
+    too), and the bytes of the components held beside it; an 8-bit `quantize` mode holds a transformer parameter
+    in one byte, `quantize_text_encoder` a text encoder's."""
     cfg = model.transformer_config
     counts = _tensor_counts(model.path / "transformer")
     blocks: dict[str, int] = {}
@@ -129,7 +137,8 @@ def model_figures(model: ModelInfo, dtype_bytes: int, *, text_on_device: bool = 
         if match:
             blocks[match.group(1)] = blocks.get(match.group(1), 0) + n
     heads = int(cfg.get("num_attention_heads", model.num_attention_heads))
-    text = sum(_params(model, name) for name in ("text_encoder", "text_encoder_2")) * dtype_bytes
+    text_bytes = 1 if quantize_text_encoder not in (None, "none") else dtype_bytes
+    text = sum(_params(model, name) for name in ("text_encoder", "text_encoder_2")) * text_bytes
     hunyuan = model.family.pipeline.startswith("hunyuan")
     return ModelFigures(
         heads=model.num_attention_heads,
@@ -142,6 +151,7 @@ def model_figures(model: ModelInfo, dtype_bytes: int, *, text_on_device: bool = 
         other_bytes=_params(model, "vae") * 4 + _params(model, "image_encoder") * 4,
         dtype_bytes=dtype_bytes,
         text_tokens=sum(HUNYUAN15_TOKENS.values()) if hunyuan else WAN_TEXT_TOKENS,
+        weight_bytes=1 if quantize not in (None, "none") else 0,
     )
 
 
@@ -185,14 +195,23 @@ def plan_for(
     objective: str = "latency",
     can_shard: bool = True,
     text_on_device: bool = True,
+    quantize: str | None = None,
+    quantize_text_encoder: str | None = None,
 ) -> Plan:
-    """The cost model's plan for `request` on `world` ranks, `ranks_per_node` of them per node (default: all)."""
+    """The cost model's plan for `request` on `world` ranks, `ranks_per_node` of them per node (default: all); with
+    a `quantize` mode the weights as held in 8 bits."""
     per_node = ranks_per_node or world
     if per_node < 1 or world % per_node:
         raise ConfigError(f"ranks per node ({per_node}) must divide the world size ({world})")
     kind = device_kind(device)
     dtype_bytes = DTYPE_BYTES[dtype] if dtype else (2 if kind == "cuda" else 4)
-    figures = model_figures(model, dtype_bytes, text_on_device=text_on_device)
+    figures = model_figures(
+        model,
+        dtype_bytes,
+        text_on_device=text_on_device,
+        quantize=quantize,
+        quantize_text_encoder=quantize_text_encoder,
+    )
     hardware = device_figures(kind, per_node, memory_bytes)
     wanted = request_figures(model, request, dtype_bytes)
     return plan_layout(figures, wanted, hardware, world, objective=objective, can_shard=can_shard)
@@ -232,6 +251,8 @@ def auto_layout(
         can_shard=not blocked,
         text_on_device=config.offload in (None, "none"),
         objective=objective,
+        quantize=config.quantize,
+        quantize_text_encoder=config.quantize_text_encoder,
     )
     s = plan.chosen.shape
     layout = ParallelLayout(
