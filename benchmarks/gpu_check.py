@@ -19,7 +19,7 @@ and what was measured so far is written after every phase):
 6. quantize: one engine per `--quantize` mode and `--attention` kernel (and fp8 with sage together) at the first
    timed shape, 4 steps: per-step time and speedup against the unquantized engine, PSNR and max difference of the
    frames, the weight report (gpu_check_more.py); a setting the device cannot run is skipped with distvideo's
-   refusal (in --smoke mode: int8 runs, fp8 is refused on the CPU);
+   refusal (in --smoke mode: fp8-weight runs, fp8 is refused on the CPU);
 7. compile: `distvideo bench --compile` (regional torch.compile of the transformer blocks) on the first timed shape:
    the compiling first run, warm runs beside the bench phase's uncompiled figures, frames against an uncompiled run;
    skipped in --smoke mode (compiling takes 20-35 s on 2 CPU cores; tests/test_compile.py covers it on CPU).

@@ -177,7 +177,8 @@ def markdown_lines(result: dict[str, Any]) -> list[str]:
 
 
 #: the low-precision settings timed against the unquantized engine (docs/performance.md, "Low precision"); on the
-#: GPU every one, each alone and then the fast ones together; in --smoke mode int8 runs and fp8 shows its refusal
+#: GPU every one, each alone and then the fast ones together; in --smoke mode fp8-weight runs (no torchao import, a
+#: few seconds of every suite run; tests/test_quantize.py covers the torchao modes) and fp8 shows its refusal
 QUANTIZE_RUNS: tuple[dict[str, str], ...] = (
     {"quantize": "int8"},
     {"quantize": "int8-weight"},
@@ -187,7 +188,7 @@ QUANTIZE_RUNS: tuple[dict[str, str], ...] = (
     {"attention": "flash"},
     {"quantize": "fp8", "attention": "sage"},
 )
-SMOKE_QUANTIZE_RUNS: tuple[dict[str, str], ...] = ({"quantize": "int8"}, {"quantize": "fp8"})
+SMOKE_QUANTIZE_RUNS: tuple[dict[str, str], ...] = ({"quantize": "fp8-weight"}, {"quantize": "fp8"})
 QUANTIZE_STEPS = 4  # per-step figures: a few steps after a one-step warm-up
 
 

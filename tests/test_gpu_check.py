@@ -118,11 +118,11 @@ def test_smoke_run_writes_every_phase(smoke_run):
         if method != "none":  # nothing skipped at 2 steps (the first is the warm-up): the uncached frames exactly
             assert run["status"] == "ok" and run["cache"]["skipped_steps"] == [] and run["psnr_db"] == float("inf")
             assert run["vs_uncached"]["max_abs_diff"] == 0 and run["speedup_denoising"] > 0
-    quantize = phases["quantize"]  # int8 runs on the CPU and reports its layers; fp8 shows distvideo's refusal
-    assert quantize["status"] == "ok" and list(quantize["runs"]) == ["none", "quantize int8", "quantize fp8"]
-    int8 = quantize["runs"]["quantize int8"]
-    assert int8["status"] == "ok" and int8["weights"]["transformer"]["quantized_modules"] > 0
-    assert int8["speedup_denoising"] > 0 and int8["vs_unquantized"]["max_abs_diff"] is not None
+    quantize = phases["quantize"]  # fp8-weight runs on the CPU and reports its layers; fp8 shows distvideo's refusal
+    assert quantize["status"] == "ok" and list(quantize["runs"]) == ["none", "quantize fp8-weight", "quantize fp8"]
+    stored = quantize["runs"]["quantize fp8-weight"]
+    assert stored["status"] == "ok" and stored["weights"]["transformer"]["quantized_modules"] > 0
+    assert stored["speedup_denoising"] > 0 and stored["vs_unquantized"]["max_abs_diff"] is not None
     fp8 = quantize["runs"]["quantize fp8"]
     assert fp8["status"] == "skipped" and "needs float8 matrix products" in fp8["reason"]
     assert phases["compile"]["status"] == "skipped" and "smoke mode" in phases["compile"]["reason"]
@@ -131,7 +131,7 @@ def test_smoke_run_writes_every_phase(smoke_run):
 
     for line in (
         "| parity_diffusers | ok |", "| parity_executors | ok |", "| offload | skipped |", "## 9x32x48",
-        "## step caching, 5x32x48, 2 steps", "| 9x32x48 | ", "## low precision, 5x32x48, 4 steps", "| quantize int8 | ",
+        "## step caching, 5x32x48, 2 steps", "| 9x32x48 | ", "## low precision, 5x32x48, 4 steps", "| quantize fp8-weight | ",
     ):  # fmt: skip
         assert line in md
     assert "phase bench: ok" in proc.stdout and "[" in proc.stdout.splitlines()[0]  # progress with elapsed time
