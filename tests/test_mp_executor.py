@@ -226,7 +226,7 @@ def test_frames_match_inline_and_only_the_output_rank_ships_them(gen: VideoGener
 def test_the_driver_never_imports_the_model_stack(model_path: str, tmp_path: Path):
     """The driver only holds pipes and the output: unpickling its workers' answers must not import diffusers (the
     first answer used to import it, with torch's compiler stack: 2.5 s inside the first timed call). Nor do the ranks
-    import torchao, which diffusers and transformers import with every model where it is installed (2.7 s per rank;
+    import torchao, which diffusers and transformers import with every model where it is installed (0.4 CPU-s a rank;
     models/compat.py defer_torchao), unless a --quantize mode needs it."""
     script = tmp_path / "driver.py"
     script.write_text(

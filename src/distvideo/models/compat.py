@@ -330,7 +330,8 @@ def ray_bootstrap_address(address: str | None) -> str | None:
 def defer_torchao() -> None:
     """Keep diffusers and transformers from importing torchao when they load a model. Both import it eagerly wherever
     it is installed (diffusers to register its tensor types as safe to unpickle, transformers for its quantizer):
-    2.7 s of every rank's start on a 2-core machine, and warnings about its CUDA extensions on a CPU. distvideo loads
+    about 0.4 CPU-seconds of every rank's start on a 2-core machine (most of torchao's own import, torch._dynamo,
+    diffusers imports anyway), and warnings about its CUDA extensions on every rank of a CPU. distvideo loads
     only safetensors, refuses pre-quantized checkpoints (models/loading.py) and calls torchao itself when a mode
     asks for it (torchao_quantization), so neither library needs it. Called before the first model loads; a process
     whose libraries imported torchao already keeps it."""
