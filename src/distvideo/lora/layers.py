@@ -308,13 +308,13 @@ class LoraState:
     # -- weights -----------------------------------------------------------------------------------
     @torch.no_grad()
     def _apply(self, active: list[tuple[str, float]], merged: bool) -> None:
+        touched = {name for nickname, _ in active for name in self.cache[nickname].layers}
         if self.separate:  # a quantized base: its weights never change
             self._remove_hooks()
-            self._install_hooks(active, {name for nickname, _ in active for name in self.cache[nickname].layers})
+            self._install_hooks(active, touched)
             self.active, self.merged = list(active), False
             return
         reshard(self.model)  # sharded weights: write the shards, not a gathered copy
-        touched = {name for nickname, _ in active for name in self.cache[nickname].layers}
         for name in list(self._base):  # layers no adapter touches any more: base weights back, copy dropped
             if name not in touched:
                 self._write_base(name)

@@ -135,13 +135,17 @@ def quantize_module(module: nn.Module, mode: str, keep: tuple[str, ...], compute
     def chosen(layer: nn.Module, name: str) -> bool:
         return isinstance(layer, nn.Linear) and not keeps_full_precision(name, keep)
 
-    config = _torchao_config(mode)
-    compat.torchao_quantization().quantize_(module, config, filter_fn=chosen)
+    compat.torchao_quantization().quantize_(module, _torchao_config(mode), filter_fn=chosen)
+
+
+def _is_torchao(t: Any) -> bool:
+    """Whether `t` is one of torchao's quantized tensor subclasses."""
+    return type(t).__module__.startswith("torchao")
 
 
 def is_low_precision(weight: Any) -> bool:
     """Whether a weight is held in low precision: a torchao quantized tensor, or float8 storage."""
-    return type(weight).__module__.startswith("torchao") or weight.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    return _is_torchao(weight) or weight.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def quantized_modules(module: nn.Module) -> int:
@@ -153,7 +157,7 @@ def quantized_modules(module: nn.Module) -> int:
 def tensor_bytes(t: torch.Tensor) -> int:
     """The bytes a tensor holds: a tensor subclass (torchao's) its inner tensors', a plain tensor its elements'."""
     flatten = getattr(t, "__tensor_flatten__", None)
-    if flatten is not None and type(t).__module__.startswith("torchao"):
+    if flatten is not None and _is_torchao(t):
         names, _ = flatten()
         return sum(tensor_bytes(inner) for inner in (getattr(t, n) for n in names) if inner is not None)
     return t.numel() * t.element_size()
