@@ -169,6 +169,7 @@ def test_torchrun_every_rank_skips_the_same_steps(
         (dict(cache="first-block", cache_threshold=float("nan")), "cache_threshold=nan"),
         (dict(cache="mag", cache_max_skip=0), "cache_max_skip=0"),
         (dict(cache="mag", num_inference_steps=5), "no MagCache ratios for 5 steps"),
+        (dict(cache="first-block", num_inference_steps=4), "num_inference_steps=4 is a few-step schedule"),
     ],
 )
 def test_bad_options_are_refused_before_loading(model: Path, kwargs: dict[str, Any], needle: str) -> None:

@@ -25,7 +25,8 @@ PROMPT = "a red fox running through snow"
 # (family, scheduler, image, request, LoRA adapters as (seed, strength, target)); the image as a file path, a PIL
 # image or a uint8 array ("path", "pil", "array"), or None for text-to-video. Latent rows x columns:
 # stride 16 (Wan2.1 VAE) or 32 (TI2V-5B's). The A14B requests run both experts (UniPC shift 12 at 4 steps:
-# t = 1000, 973, 923 | 800; flow shift 12 at 3 steps: 1000, 960 | 857; shift 5 and boundary 0.9 likewise).
+# t = 1000, 973, 923 | 800; flow shift 12 at 3 steps: 1000, 960 | 857; shift 5 and boundary 0.9 likewise). A
+# guidance scale of 1 runs its expert's one branch (diffusers runs both and adds nothing: the same frames within 2).
 # Wan2.2 I2V-A14B with UniPC, an image and guidance_scale_2 is tests/test_families_bench.py's bench run.
 CASES = [
     ("wan21_i2v", "unipc", "pil", dict(num_frames=5, height=32, width=48, num_inference_steps=3, guidance_scale=5.0),
@@ -35,7 +36,8 @@ CASES = [
     ("wan22_t2v_a14b", "unipc", None, dict(num_frames=9, height=48, width=80, num_inference_steps=4,
                                             guidance_scale=4.0, guidance_scale_2=3.0), []),
     ("wan22_t2v_a14b", "flow", None, dict(num_frames=5, height=32, width=48, num_inference_steps=3,
-                                           guidance_scale=3.0), [(1, 0.7, "transformer"), (2, 0.9, "transformer_2")]),
+                                           guidance_scale=3.0, guidance_scale_2=1.0),
+     [(1, 0.7, "transformer"), (2, 0.9, "transformer_2")]),
     ("wan22_i2v_a14b", "flow", "array", dict(num_frames=5, height=32, width=48, num_inference_steps=4,
                                           guidance_scale=5.0), [(3, 1.0, "transformer_2")]),
     ("wan22_ti2v_5b", "unipc", None, dict(num_frames=5, height=64, width=96, num_inference_steps=3,
@@ -108,3 +110,5 @@ def test_family_matches_diffusers(tmp_path_factory, case):
     if "a14b" in family:  # the requests are chosen so that both experts run, the high-noise one first
         ran = {name: after[name] - before[name] for name in after}
         assert ran["transformer"] > 0 and ran["transformer_2"] > 0, ran
+        if request.get("guidance_scale_2") == 1.0:  # 2 guided high-noise steps, 1 low-noise step in one branch
+            assert ran == {"transformer": 4, "transformer_2": 1}, ran

@@ -149,6 +149,27 @@ def test_good_seconds_are_taken_as_a_number_or_text(app, seconds):
     assert response.json()["seconds"] == f"{float(seconds):g}"
 
 
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"scheduler": "ddim"}, "scheduler"),
+        ({"timesteps": [500, 1000]}, "timesteps"),
+        ({"timesteps": [1000, 500, 250]}, "timesteps"),  # 3 values for num_inference_steps 2
+        ({"sigmas": [1.0], "timesteps": [1000]}, "sigmas"),
+        ({"flow_shift": 0}, "flow_shift"),
+    ],
+    ids=["scheduler", "increasing", "length", "both", "shift"],
+)
+def test_a_bad_schedule_is_refused_naming_the_field(app, fields, param):
+    client, service, _ = app()
+    response = client.post("/v1/videos", json={**GOOD, **fields})
+    assert response.status_code == 422, response.text
+    assert response.json()["error"]["param"] == param, response.text
+    assert service.depth == 0
+    good = client.post("/v1/videos", json={**GOOD, "scheduler": "euler", "flow_shift": 5, "timesteps": [1000, 500]})
+    assert good.status_code == 200, good.text
+
+
 def test_seconds_that_are_not_a_whole_number_of_frames_are_still_refused(app):
     client, _, _ = app()
     response = client.post("/v1/videos", json={**GOOD, "seconds": "0.3"})

@@ -25,10 +25,11 @@ from distvideo.errors import (  # noqa: E402
 from distvideo.request import GenerationRequest  # noqa: E402
 
 if TYPE_CHECKING:
-    from distvideo.generator import GenerationResult, VideoGenerator
+    from distvideo.generator import VideoGenerator
+    from distvideo.outputs import GenerationResult
 
 #: imported at first use, so that `import distvideo` (the CLI's bad-input exits, --help) does not import torch
-_LAZY = {"GenerationResult": "distvideo.generator", "VideoGenerator": "distvideo.generator"}
+_LAZY = {"GenerationResult": "distvideo.outputs", "VideoGenerator": "distvideo.generator"}
 
 
 def __getattr__(name: str) -> Any:

@@ -126,7 +126,9 @@ class Naming:
         return cls(**value) if value else cls()
 
 
-def _flag_value(value: Any) -> str:
+def _flag_value(value: Any) -> str:  # a list as its flag takes it: 1000,750,500
+    if isinstance(value, list):
+        return ",".join(map(str, value))
     return shlex.quote(value) if isinstance(value, str) else str(value)
 
 

@@ -6,11 +6,8 @@ import logging
 import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from distvideo.batch.run import BatchResult
 from distvideo.config import EngineConfig, LoraSpec, did_you_mean, option_fields
@@ -22,24 +19,11 @@ from distvideo.logging_utils import configure_logging
 from distvideo.media import check_video_output, write_video_or_keep_frames
 from distvideo.models.embedded import prompt_warning
 from distvideo.models.registry import ModelInfo
+from distvideo.outputs import GenerationResult
 from distvideo.paths import resolve_output_path
 from distvideo.request import GenerationRequest
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class GenerationResult:
-    frames: np.ndarray | None
-    video_path: str | None
-    seed: int
-    timings: dict[str, float] = field(default_factory=dict)
-    peak_memory_mb: float = 0.0
-    request: GenerationRequest | None = None
-    # step caching: {"method", "computed_steps", "skipped_steps": [step indices]}; None when off (docs/caching.md)
-    cache: dict[str, Any] | None = None
-    # the output rank's weights per transformer and text encoder: {"mode", "quantized_modules", "bytes"}
-    weights: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 class VideoGenerator:
@@ -65,7 +49,7 @@ class VideoGenerator:
         dist_timeout: float | None = None,
         device: str | None = None,
         dtype: str | None = None,
-        lora: list[LoraSpec] | None = None,
+        lora: list[LoraSpec | str | Path] | None = None,  # a path may end in ":STRENGTH"
         **options: Any,
     ) -> VideoGenerator:
         """`options`: any other EngineConfig field by name (offload="model", compile=True, ...)."""
@@ -88,7 +72,7 @@ class VideoGenerator:
             dist_timeout=dist_timeout,
             device=device,
             dtype=dtype,
-            lora=list(lora or []),
+            lora=[LoraSpec.parse(str(x), "lora") if isinstance(x, (str, Path)) else x for x in lora or []],
             **options,
         )
         return cls.from_config(config)
@@ -165,13 +149,18 @@ class VideoGenerator:
         cache_threshold: float | None = None,
         cache_warmup_steps: int | None = None,
         cache_max_skip: int | None = None,
+        scheduler: str | None = None,
+        flow_shift: float | None = None,
+        timesteps: list[float] | None = None,
+        sigmas: list[float] | None = None,
         on_progress: Callable[[int, int], None] | None = None,
     ) -> GenerationResult:
         """Generate one video. `image` (image-to-video models): a file path, a PIL image or a uint8 array (H, W, 3).
         Fields left None take the model's defaults (`fps`: the family's frame rate, 16 for Wan2.1, 24 for Wan2.2
         TI2V-5B). `request_timeout` (seconds): the request stops at the next denoising step after it on every rank
         and raises GenerationTimeout; `on_progress(done, total)` is called in this process after every denoising
-        step (under a launcher: on every rank). `cancel()` from another thread stops it."""
+        step (under a launcher: on every rank). `cancel()` from another thread stops it. `scheduler`, `flow_shift`,
+        `timesteps`, `sigmas`: the noise schedule (default: the checkpoint's; docs/performance.md, "Few-step models")."""
         request = GenerationRequest(
             prompt=prompt,
             negative_prompt=negative_prompt,
@@ -194,6 +183,10 @@ class VideoGenerator:
             cache_threshold=cache_threshold,
             cache_warmup_steps=cache_warmup_steps,
             cache_max_skip=cache_max_skip,
+            scheduler=scheduler,
+            flow_shift=flow_shift,
+            timesteps=timesteps,
+            sigmas=sigmas,
         )
         return self.generate_request(request, on_progress=on_progress)
 

@@ -1,4 +1,5 @@
-"""What a rank hands back: one request's output, and one batch item's outcome.
+"""What a rank hands back (one request's output, one batch item's outcome), and what the caller gets
+(GenerationResult).
 
 Light on purpose (numpy only): the mp executor's driver unpickles these from its workers, and unpickling a class
 imports its module. Were they defined in `distvideo.worker`, the driver's first answer would import diffusers and
@@ -7,9 +8,12 @@ torch's compiler stack (about 2.5 s on a 2-core machine, and memory a driver nev
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from distvideo.request import GenerationRequest
 
 
 @dataclass
@@ -32,3 +36,17 @@ class ItemOutcome:
     output: WorkerOutput | None = None
     error_type: str = ""
     error: str = ""
+
+
+@dataclass
+class GenerationResult:
+    frames: np.ndarray | None
+    video_path: str | None
+    seed: int
+    timings: dict[str, float] = field(default_factory=dict)
+    peak_memory_mb: float = 0.0
+    request: GenerationRequest | None = None
+    # step caching: {"method", "computed_steps", "skipped_steps": [step indices]}; None when off (docs/caching.md)
+    cache: dict[str, Any] | None = None
+    # the output rank's weights per transformer and text encoder: {"mode", "quantized_modules", "bytes"}
+    weights: dict[str, dict[str, Any]] = field(default_factory=dict)

@@ -12,7 +12,7 @@ if TYPE_CHECKING:  # types only: nothing here runs an import of the generator or
     from distvideo.config import EngineConfig
     from distvideo.engine import ResolvedEngine
     from distvideo.executors import Executor
-    from distvideo.generator import GenerationResult
+    from distvideo.outputs import GenerationResult
     from distvideo.request import GenerationRequest
 
 

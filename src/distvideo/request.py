@@ -3,6 +3,7 @@ request is resolved against it: models/registry.py, models/memory.py)."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +25,10 @@ MAX_FRAMES = 4097
 # Step caching (pipelines/caching.py): the methods a request may name, and the internal one `distvideo calibrate` runs
 CACHE_METHODS = ("none", "first-block", "mag")
 CACHE_CALIBRATE = "calibrate"
+# The noise schedule (docs/performance.md, "Few-step models"): "default" is the checkpoint's own scheduler; the others
+# are diffusers' flow-matching schedulers with the checkpoint's settings carried over (models/schedules.py)
+SCHEDULERS = ("default", "unipc", "euler", "dpm")
+MAX_FLOW_SHIFT = 100.0
 
 
 @dataclass
@@ -57,6 +62,12 @@ class GenerationRequest:
     cache_threshold: float | None = None
     cache_warmup_steps: int | None = None
     cache_max_skip: int | None = None
+    # the noise schedule; None: the checkpoint's (its scheduler config, or its distvideo_defaults.json). `timesteps`
+    # and `sigmas` are explicit lists before the flow shift, as diffusers' flow-matching schedulers take them
+    scheduler: str | None = None
+    flow_shift: float | None = None
+    timesteps: list[float] | None = None
+    sigmas: list[float] | None = None
     # how the fields were given (flags, a config file, keywords), so that errors name them so (config.Naming)
     naming: Naming = field(default_factory=Naming, repr=False, compare=False, kw_only=True)
 
@@ -111,6 +122,7 @@ class GenerationRequest:
             check_image_type(self.image, n.label("image"))
         self._validate_numbers()
         check_cache_fields(self)
+        check_schedule_fields(self)
         if self.output_path is not None:
             if not isinstance(self.output_path, str):
                 raise ConfigError(
@@ -151,6 +163,13 @@ class GenerationRequest:
         return fields
 
 
+def is_guided(request: GenerationRequest) -> bool:
+    """Whether any step of a resolved request runs two branches (classifier-free guidance): a guidance scale above 1,
+    the low-noise expert's (`guidance_scale_2`, Wan2.2 A14B) counted as its own. A scale of 1 or less runs the
+    conditional branch alone: no unconditional text, no second forward (guidance-distilled models)."""
+    return max(request.guidance_scale or 0.0, request.guidance_scale_2 or 0.0) > 1.0
+
+
 def _check_int(naming: Naming, name: str, value: Any, *, minimum: int, maximum: int | None = None) -> None:
     if value is None:
         return
@@ -182,3 +201,64 @@ def check_cache_fields(request: GenerationRequest) -> None:
         )
     _check_int(n, "cache_warmup_steps", request.cache_warmup_steps, minimum=0)
     _check_int(n, "cache_max_skip", request.cache_max_skip, minimum=1)
+
+
+# --- the noise schedule ---------------------------------------------------------------------------------------------
+def check_schedule_fields(request: GenerationRequest) -> None:
+    """The schedule options' own checks: a known scheduler, a positive flow shift, at most one explicit list, strictly
+    decreasing and one value per step (what the model's scheduler takes is checked by ModelInfo.resolve_request)."""
+    n = request.naming
+    name = request.scheduler
+    if name is not None and (not isinstance(name, str) or name not in SCHEDULERS):
+        raise ConfigError(
+            f"{n.subject('scheduler', name)}: unknown scheduler; choose one of {', '.join(SCHEDULERS)}",
+            param="scheduler",
+        )
+    shift = request.flow_shift
+    if shift is not None and (
+        isinstance(shift, bool) or not isinstance(shift, (int, float)) or not 0.0 < float(shift) <= MAX_FLOW_SHIFT
+    ):
+        raise ConfigError(
+            f"{n.subject('flow_shift', shift)} must be a number above 0 and at most {MAX_FLOW_SHIFT:g} (Wan uses 3 "
+            "at 480p and 5 at 720p; distilled models often 5 to 8)",
+            param="flow_shift",
+        )
+    if request.timesteps is not None and request.sigmas is not None:
+        raise ConfigError(
+            f"{n.label('sigmas')}: give {n.label('timesteps')} or {n.label('sigmas')}, not both (timesteps are the "
+            "sigmas times the scheduler's num_train_timesteps)",
+            param="sigmas",
+        )
+    for field_name, top in (("timesteps", None), ("sigmas", 1.0)):
+        values = getattr(request, field_name)
+        if values is not None:
+            _check_schedule_list(request, field_name, values, top)
+
+
+def _check_schedule_list(request: GenerationRequest, name: str, values: Any, top: float | None) -> None:
+    n = request.naming
+    example = [1000, 750, 500, 250] if name == "timesteps" else [1.0, 0.75, 0.5, 0.25]
+    if (
+        not isinstance(values, (list, tuple))
+        or not values
+        or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) for v in values)
+    ):
+        raise ConfigError(
+            f"{n.label(name)}: expected a non-empty list of numbers, one per step, e.g. {n.setting(name, example)}; "
+            f"got {values!r}",
+            param=name,
+        )
+    bound = f"above 0 and at most {top:g}" if top is not None else "above 0"
+    if any(v <= 0 or (top is not None and v > top) for v in values):
+        raise ConfigError(f"{n.subject(name, list(values))}: every value must be {bound}", param=name)
+    if any(b >= a for a, b in itertools.pairwise(values)):
+        raise ConfigError(
+            f"{n.subject(name, list(values))}: must be strictly decreasing (from the noisiest step down)", param=name
+        )
+    steps = request.num_inference_steps
+    if steps is not None and len(values) != steps:
+        raise ConfigError(
+            f"{n.subject(name, list(values))}: {len(values)} values for {n.subject('num_inference_steps', steps)}; "
+            f"give one per step (or leave {n.label('num_inference_steps')} unset: the list sets it)",
+            param=name,
+        )

@@ -16,6 +16,7 @@ from distvideo.config import did_you_mean, keys_of, option_for_key
 from distvideo.errors import ConfigError
 from distvideo.images import image_fingerprint
 from distvideo.models.registry import ModelInfo
+from distvideo.models.schedules import SCHEDULE_KEYS
 from distvideo.request import GenerationRequest
 
 #: the fields an item may set (JSONL keys, generate_batch mappings); `output` names its video file in the folder
@@ -31,6 +32,10 @@ ITEM_FIELDS = (
     "guidance_scale_2",
     "image",
     "fps",
+    "scheduler",
+    "flow_shift",
+    "timesteps",
+    "sigmas",
     "output",
 )
 #: the request fields that decide an item's video: a change in any of them redoes the item on resume
@@ -159,5 +164,8 @@ def item_fields(fields: Mapping[str, Any]) -> dict[str, Any]:
 def fingerprint(request: GenerationRequest) -> str:
     """sha256 of what decides the item's video (an image by the sha256 of its pixels or file)."""
     decided = {name: getattr(request, name) for name in DECIDING_FIELDS}
+    for name in SCHEDULE_KEYS:  # in the fingerprint when set: manifests written before they were options still match
+        if decided[name] is None:
+            del decided[name]
     decided["image"] = image_fingerprint(request.image)
     return hashlib.sha256(json.dumps(decided, sort_keys=True).encode()).hexdigest()

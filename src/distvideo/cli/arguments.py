@@ -19,7 +19,7 @@ from typing import Any
 from distvideo.config import EngineConfig, LoraSpec, Naming, flag_of, flags_of, option_fields
 from distvideo.config_files import ConfigFile, read_config_file
 from distvideo.errors import ConfigError
-from distvideo.request import CACHE_METHODS, GenerationRequest
+from distvideo.request import CACHE_METHODS, SCHEDULERS, GenerationRequest
 
 # GenerationRequest fields offered on the command line, with their help (their flags: config.flags_of)
 REQUEST_FLAGS: dict[str, dict[str, Any]] = {
@@ -42,6 +42,19 @@ REQUEST_FLAGS: dict[str, dict[str, Any]] = {
     "cache_threshold": {"help": "skip a step while the cache's change metric stays under this (default: per method)"},
     "cache_warmup_steps": {"help": "steps always computed first (default: 10%% first-block, 20%% mag)"},
     "cache_max_skip": {"help": "at most this many consecutive skipped steps (default: 3 for mag, no limit)"},
+    # the noise schedule (docs/performance.md, "Few-step models")
+    "scheduler": {"help": "default (the checkpoint's), unipc, euler or dpm", "choices": SCHEDULERS},
+    "flow_shift": {"help": "the flow-matching shift (default: the checkpoint's)"},
+    "timesteps": {
+        "help": "one timestep per step, decreasing, e.g. 1000,750,500,250",
+        "parse": "numbers",
+        "metavar": "T,T,...",
+    },
+    "sigmas": {
+        "help": "one sigma per step, decreasing, at most 1 (or --timesteps)",
+        "parse": "numbers",
+        "metavar": "S,S,...",
+    },
 }
 
 
@@ -53,6 +66,23 @@ def _seconds(text: str) -> float:
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"expected a positive, finite number of seconds, got {text!r}")
     return value
+
+
+def _numbers(text: str) -> list[float]:
+    """A comma-separated list of numbers: 1000,750,500,250 (an integer stays one)."""
+
+    def number(part: str) -> float:
+        try:
+            return int(part)
+        except ValueError:
+            return float(part)
+
+    try:
+        return [number(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected numbers separated by commas, e.g. 1000,750,500; got {text!r}"
+        ) from None
 
 
 def _lora(text: str) -> LoraSpec:
@@ -92,7 +122,7 @@ def _add_field(parser: argparse.ArgumentParser, f: dataclasses.Field[Any], hint:
     elif meta.get("parse") == "lora":
         kwargs.update(action="append", type=_lora, metavar=meta.get("metavar"))
     else:
-        kwargs["type"] = {"seconds": _seconds, "path": str}.get(meta.get("parse", ""), base)
+        kwargs["type"] = {"seconds": _seconds, "path": str, "numbers": _numbers}.get(meta.get("parse", ""), base)
         if len(flags) > 1:
             kwargs["action"] = _StoreTyped
         if "metavar" in meta:

@@ -26,7 +26,7 @@ def add_calibrate_parser(sub: Any) -> None:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from distvideo.executors import resolve_engine
     from distvideo.generator import VideoGenerator
-    from distvideo.models.cache_ratios import RATIOS_FILE, scheduler_name, write_ratios
+    from distvideo.models.cache_ratios import RATIOS_FILE, write_ratios
     from distvideo.models.embedded import packaged_model
     from distvideo.paths import check_output_target
     from distvideo.request import CACHE_CALIBRATE, GenerationRequest
@@ -56,8 +56,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if result.cache is None or "ratios" not in result.cache:
         return 1  # a rank that holds no output
     assert request.num_inference_steps is not None
-    path = write_ratios(
-        engine.model.path, scheduler_name(engine.model.index), request.num_inference_steps, result.cache["ratios"]
-    )
+    schedule = engine.model.schedule(request).key()  # the checkpoint's (or its distvideo_defaults.json's)
+    path = write_ratios(engine.model.path, schedule, request.num_inference_steps, result.cache["ratios"])
     print(path, flush=True)
     return 0

@@ -19,6 +19,9 @@ CACHE_DEFAULT_KEYS = ("cache", "cache_threshold", "cache_warmup_steps", "cache_m
 #: per method: threshold, and the fraction of the steps that are always computed first (warmup)
 METHOD_DEFAULTS: dict[str, tuple[float, float]] = {"first-block": (0.05, 0.1), "mag": (0.06, 0.2)}
 MAG_MAX_SKIP = 3
+#: below this many steps a step cache is refused: each step of a few-step schedule moves the latents too far for the
+#: next to reuse it (the demo model skipped no step at 4 or 8 steps, even at 4x first-block's default threshold)
+MIN_CACHE_STEPS = 5
 
 
 def ratios_key(scheduler: str, steps: int) -> str:
@@ -66,6 +69,14 @@ def resolve_cache(
     threshold, warmup_fraction = METHOD_DEFAULTS[method]
     if method == "mag" and ratios_key(scheduler, steps) not in ratios:
         raise ConfigError(_uncalibrated(request, ratios, scheduler, model), param="cache")
+    if steps < MIN_CACHE_STEPS:
+        n = request.naming
+        raise ConfigError(
+            f"{n.subject('cache', method)}: {n.subject('num_inference_steps', steps)} is a few-step schedule, where "
+            "each step moves the latents too far for the next one to reuse it: a step cache would compute every step "
+            f"anyway (it needs at least {MIN_CACHE_STEPS}); drop {n.label('cache')}: the step count is the speedup",
+            param="cache",
+        )
     return dataclasses.replace(
         request,
         cache=method,

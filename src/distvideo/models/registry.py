@@ -13,11 +13,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from distvideo.config import Naming
 from distvideo.errors import ConfigError
-from distvideo.models.cache_ratios import CACHE_DEFAULT_KEYS, read_ratios, resolve_cache, scheduler_name
+from distvideo.models.cache_ratios import CACHE_DEFAULT_KEYS, read_ratios, resolve_cache
 from distvideo.models.family import IMAGE_NONE, IMAGE_OPTIONAL, IMAGE_REQUIRED, ModelFamily
 from distvideo.models.hunyuan15 import HUNYUAN15_I2V, HUNYUAN15_T2V, guider_defaults, image_size_bucket
-from distvideo.request import GenerationRequest
+from distvideo.models.schedules import SCHEDULE_KEYS, Schedule, fill_schedule, schedule_for
+from distvideo.request import GenerationRequest, check_schedule_fields
 
 _T5 = ("vae", "text_encoder", "tokenizer", "scheduler")
 
@@ -140,6 +142,11 @@ class ModelInfo:
     transformer_config: dict[str, Any] = field(default_factory=dict)  # the JSON files, as read
     vae_config: dict[str, Any] = field(default_factory=dict)
     cache_ratios: dict[str, list[float]] = field(default_factory=dict)  # MagCache's, from models/cache_ratios.py
+    scheduler_config: dict[str, Any] = field(default_factory=dict)  # scheduler/scheduler_config.json, as read
+
+    def schedule(self, request: GenerationRequest) -> Schedule:
+        """The noise schedule of a resolved request (models/schedules.py)."""
+        return schedule_for(request, self.scheduler_config)
 
     @property
     def spatial_stride(self) -> int:
@@ -161,7 +168,7 @@ class ModelInfo:
         family where the request does not fit it). `read_image`: read the image (a file path: from this node's disk)
         into a uint8 RGB array; False checks only whether the family takes one."""
         self._check_family_inputs(request)
-        defaults = dict(self.defaults)
+        request, defaults = fill_schedule(request, self.defaults)
         if self.family.experts == 2 and request.guidance_scale is not None:
             defaults["guidance_scale_2"] = request.guidance_scale  # as diffusers: the low-noise expert's follows it
         filled = dataclasses.replace(request, **{k: v for k, v in defaults.items() if getattr(request, k, 0) is None})
@@ -186,7 +193,8 @@ class ModelInfo:
                 f"packs {k} frames into one latent frame after the first); try {lower} or {lower + k}",
                 param="num_frames",
             )
-        filled = resolve_cache(filled, self.cache_ratios, scheduler_name(self.index), self.path)
+        schedule = self.schedule(filled)  # checks the schedule options against the checkpoint's scheduler
+        filled = resolve_cache(filled, self.cache_ratios, schedule.key(), self.path)
         if filled.cache not in (None, "none") and not self.family.step_cache:
             raise ConfigError(
                 f"{n.subject('cache', filled.cache)}: {self.path.name} is {self.family.name}, whose blocks the step "
@@ -317,9 +325,10 @@ def probe_model(path: str | Path) -> ModelInfo:
     defaults = _family_defaults(family, index, root, tr_cfgs[0])
     if (root / DEFAULTS_FILE).is_file():
         extra = _read_json(root / DEFAULTS_FILE, "defaults")
-        unknown = set(extra) - set(defaults) - set(CACHE_DEFAULT_KEYS)
+        unknown = set(extra) - set(defaults) - set(CACHE_DEFAULT_KEYS) - set(SCHEDULE_KEYS)
         if unknown:
             raise ConfigError(f"--model {path}: {DEFAULTS_FILE} has unknown keys {sorted(unknown)}")
+        _check_declared_schedule(root / DEFAULTS_FILE, extra)
         defaults.update(extra)
     noise_channels = vae_cfg.get("z_dim", 16) if family.image != IMAGE_NONE else tr_cfgs[0].get("in_channels", 16)
     if "latent_channels" in vae_cfg:  # HunyuanVideo 1.5: the transformer also takes condition latents and a mask
@@ -338,7 +347,15 @@ def probe_model(path: str | Path) -> ModelInfo:
         transformer_config=tr_cfgs[0],
         vae_config=vae_cfg,
         cache_ratios=read_ratios(root),
+        scheduler_config=_read_json(root / "scheduler" / "scheduler_config.json", "scheduler config"),
     )
+
+
+def _check_declared_schedule(path: Path, declared: dict[str, Any]) -> None:
+    """A checkpoint's declared schedule is checked like a request's (its errors name the file's keys)."""
+    fields = {k: declared[k] for k in (*SCHEDULE_KEYS, "num_inference_steps") if k in declared}
+    given = {k: f"--model: {path}: {k}" for k in fields}
+    check_schedule_fields(GenerationRequest(prompt="-", **fields, naming=Naming("keyword", given)))
 
 
 def _vae_factors(vae_cfg: dict[str, Any]) -> tuple[int, int]:

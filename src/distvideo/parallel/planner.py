@@ -24,7 +24,7 @@ from distvideo.models.memory import estimate_request
 from distvideo.models.registry import ModelInfo
 from distvideo.parallel.autolayout import Hardware, ModelFigures, Plan, RequestFigures, plan_layout
 from distvideo.parallel.layout import ParallelLayout, resolve_layout
-from distvideo.request import GenerationRequest
+from distvideo.request import GenerationRequest, is_guided
 
 #: the options that make a layout explicit: any of them given, the rules of parallel/layout.py fill the rest
 LAYOUT_OPTIONS = ("sp_size", "ulysses_size", "ring_size", "cfg_parallel", "replicas", "shard_weights")
@@ -164,6 +164,7 @@ def default_request(model: ModelInfo) -> GenerationRequest:
         height=d["height"],
         width=d["width"],
         guidance_scale=d.get("guidance_scale"),
+        guidance_scale_2=d.get("guidance_scale_2"),
     )
 
 
@@ -174,7 +175,7 @@ def request_figures(model: ModelInfo, request: GenerationRequest, dtype_bytes: i
     whole = estimate_request(model, request, dtype_bytes=dtype_bytes)
     return RequestFigures(
         tokens=(frames // p_t) * (rows // p_h) * (cols // p_w),
-        guided=(request.guidance_scale or 0.0) > 1.0,
+        guided=is_guided(request),
         latent_bytes=channels * frames * rows * cols * 4,
         activation_bytes=whole.transformer_bytes,
         decode_bytes=whole.decode_bytes,
@@ -229,10 +230,13 @@ def auto_layout(
     request at a time, "throughput" for an engine that runs many (a batch, a service: replicas count). One rank has
     one layout: no plan (and no header read or device query) for it."""
     if layout_is_explicit(config) or world == 1:
+        cfg_parallel = config.cfg_parallel
+        if cfg_parallel is None and not is_guided(default_request(model)):  # one branch: no CFG halves by the rules
+            cfg_parallel = False
         layout = resolve_layout(
             world,
             sp_size=config.sp_size,
-            cfg_parallel=config.cfg_parallel,
+            cfg_parallel=cfg_parallel,
             num_heads=model.num_attention_heads,
             replicas=config.replicas,
             ulysses_size=config.ulysses_size,

@@ -324,7 +324,7 @@ def step_cache(pipeline: Any, batch: Any) -> Iterator[StepCacheSession | None]:
     """The request's session in the transformers' slot for the denoising loop (None with the cache off); the report
     lands in ``batch.cache`` even when the loop stops early."""
     from distvideo.errors import ConfigError
-    from distvideo.models.cache_ratios import ratios_key, scheduler_name
+    from distvideo.models.cache_ratios import ratios_key
 
     request = batch.request
     if request.cache in (None, "none"):
@@ -337,7 +337,7 @@ def step_cache(pipeline: Any, batch: Any) -> Iterator[StepCacheSession | None]:
             "trace the cache's per-step decisions); drop one of them"
         )
     model = pipeline.model
-    ratios = model.cache_ratios.get(ratios_key(scheduler_name(model.index), request.num_inference_steps), [])
+    ratios = model.cache_ratios.get(ratios_key(model.schedule(request).key(), request.num_inference_steps), [])
     session = session_for(request, ratios, pipeline.parallel, batch.do_cfg)
     slot.session = session
     try:

@@ -11,16 +11,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from distvideo.models import compat
 from distvideo.models.registry import ModelInfo
 from distvideo.pipelines.control import StepControl
 from distvideo.pipelines.offload import ComponentOffload
+from distvideo.pipelines.schedules import request_scheduler
 from distvideo.pipelines.stages import StagedWanPipeline
 from distvideo.pipelines.wan import WanBatch
-from distvideo.request import GenerationRequest
+from distvideo.request import GenerationRequest, is_guided
 
 if TYPE_CHECKING:
     from distvideo.parallel.context import ParallelContext
@@ -86,8 +86,7 @@ class HunyuanVideo15T2VPipeline(StagedWanPipeline):
             "vae": self.vae,
         }
         self.offload = ComponentOffload(modules, device, offload)
-        self.scheduler_config = components["scheduler"].config
-        self.scheduler_cls = type(components["scheduler"])
+        self.scheduler = components["scheduler"]  # the checkpoint's; each request gets a fresh one (its schedule)
         self.device = device
         self.show_progress = show_progress
 
@@ -123,11 +122,7 @@ class HunyuanVideo15T2VPipeline(StagedWanPipeline):
         return HunyuanText(embeds.to(dtype), mask.to(dtype), glyph.to(dtype), glyph_mask.to(dtype))
 
     def prepare_timesteps(self, batch: WanBatch) -> None:
-        scheduler = self.scheduler_cls.from_config(self.scheduler_config)  # fresh state per request
-        steps = batch.request.num_inference_steps
-        assert steps is not None  # resolved
-        scheduler.set_timesteps(sigmas=np.linspace(1.0, 0.0, steps + 1)[:-1], device=self.device)
-        scheduler.set_begin_index(0)
+        scheduler = request_scheduler(self.scheduler, batch.request, self.device, linear_sigmas=True)
         batch.scheduler = scheduler
         batch.timesteps = scheduler.timesteps
 
@@ -173,7 +168,7 @@ class HunyuanVideo15T2VPipeline(StagedWanPipeline):
     # -- driver ----------------------------------------------------------------------------------
     def __call__(self, request: GenerationRequest, control: StepControl | None = None) -> WanBatch:
         assert request.guidance_scale is not None
-        batch = HunyuanBatch(request=request, do_cfg=request.guidance_scale > 1.0)
+        batch = HunyuanBatch(request=request, do_cfg=is_guided(request))
         return self.run_stages(
             batch,
             [

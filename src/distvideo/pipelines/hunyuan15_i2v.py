@@ -13,7 +13,7 @@ from distvideo.models import compat
 from distvideo.pipelines.control import StepControl
 from distvideo.pipelines.hunyuan15 import HunyuanBatch, HunyuanVideo15T2VPipeline
 from distvideo.pipelines.wan import WanBatch
-from distvideo.request import GenerationRequest
+from distvideo.request import GenerationRequest, is_guided
 
 
 class HunyuanVideo15I2VPipeline(HunyuanVideo15T2VPipeline):
@@ -55,7 +55,7 @@ class HunyuanVideo15I2VPipeline(HunyuanVideo15T2VPipeline):
 
     def __call__(self, request: GenerationRequest, control: StepControl | None = None) -> WanBatch:
         assert request.guidance_scale is not None
-        batch = HunyuanBatch(request=request, do_cfg=request.guidance_scale > 1.0)
+        batch = HunyuanBatch(request=request, do_cfg=is_guided(request))
         return self.run_stages(
             batch,
             [

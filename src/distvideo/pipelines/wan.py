@@ -26,7 +26,8 @@ from distvideo.models.registry import ModelInfo
 from distvideo.pipelines.caching import step_cache
 from distvideo.pipelines.control import StepControl
 from distvideo.pipelines.offload import ComponentOffload
-from distvideo.request import GenerationRequest
+from distvideo.pipelines.schedules import request_scheduler
+from distvideo.request import GenerationRequest, is_guided
 
 if TYPE_CHECKING:
     from distvideo.parallel.context import ParallelContext
@@ -82,8 +83,7 @@ class WanT2VPipeline:
         self.image_encoder = encoder.eval() if encoder is not None else None
         modules = {"text_encoder": self.text_encoder, "image_encoder": self.image_encoder, "vae": self.vae}
         self.offload = ComponentOffload(modules, device, offload)
-        self.scheduler_config = components["scheduler"].config
-        self.scheduler_cls = type(components["scheduler"])
+        self.scheduler = components["scheduler"]  # the checkpoint's; each request gets a fresh one (its schedule)
         self.device = device
         self.show_progress = show_progress
         # the decode constants are fixed per model: build them once, not per request
@@ -126,9 +126,7 @@ class WanT2VPipeline:
         return out
 
     def prepare_timesteps(self, batch: WanBatch) -> None:
-        scheduler = self.scheduler_cls.from_config(self.scheduler_config)  # fresh state per request
-        scheduler.set_timesteps(batch.request.num_inference_steps, device=self.device)
-        scheduler.set_begin_index(0)
+        scheduler = request_scheduler(self.scheduler, batch.request, self.device)
         batch.scheduler = scheduler
         batch.timesteps = scheduler.timesteps
 
@@ -154,16 +152,16 @@ class WanT2VPipeline:
 
     def guided(self, noise: Callable[[torch.Tensor], torch.Tensor], batch: WanBatch, scale: float) -> torch.Tensor:
         """Classifier-free guidance over `noise(text embeddings)`: uncond + scale * (cond - uncond), or cond alone
-        without guidance. Under CFG parallelism this rank runs one branch; one all-gather per step brings the other."""
+        without guidance (this step's `scale` 1 or less: a two-expert model guides each expert by its own scale).
+        Under CFG parallelism this rank runs one branch; one all-gather per step brings the other."""
+        do_cfg = batch.do_cfg and scale > 1.0
         if self.parallel is not None and self.parallel.cfg_parallel:
-            cond, uncond = self.parallel.cfg_branches(
-                noise, batch.prompt_embeds, batch.negative_prompt_embeds, batch.do_cfg
-            )
+            cond, uncond = self.parallel.cfg_branches(noise, batch.prompt_embeds, batch.negative_prompt_embeds, do_cfg)
         else:
             assert batch.prompt_embeds is not None
             cond = noise(batch.prompt_embeds)
             uncond = None
-            if batch.do_cfg:
+            if do_cfg:
                 assert batch.negative_prompt_embeds is not None
                 uncond = noise(batch.negative_prompt_embeds)
         if uncond is None:
@@ -211,7 +209,7 @@ class WanT2VPipeline:
         """Run all stages for a request whose fields are resolved (see ModelInfo.resolve_request); `control` reports
         progress and may stop the request between denoising steps."""
         assert request.guidance_scale is not None
-        batch = WanBatch(request=request, do_cfg=request.guidance_scale > 1.0)
+        batch = WanBatch(request=request, do_cfg=is_guided(request))
         with self._timed(batch, "text_encoding"):
             self.encode_text(batch)
         with self._timed(batch, "timesteps"):

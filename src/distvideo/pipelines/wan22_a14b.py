@@ -21,7 +21,7 @@ from distvideo.pipelines.experts import ExpertResidency, boundary_timestep, expe
 from distvideo.pipelines.stages import StagedWanPipeline
 from distvideo.pipelines.wan import WanBatch
 from distvideo.pipelines.wan_i2v import WanI2VPipeline
-from distvideo.request import GenerationRequest
+from distvideo.request import GenerationRequest, is_guided
 
 if TYPE_CHECKING:
     from distvideo.parallel.context import ParallelContext
@@ -79,7 +79,7 @@ class Wan22T2VA14BPipeline(ExpertSwitch, StagedWanPipeline):
 
     def __call__(self, request: GenerationRequest, control: StepControl | None = None) -> WanBatch:
         assert request.guidance_scale is not None
-        batch = WanBatch(request=request, do_cfg=request.guidance_scale > 1.0)
+        batch = WanBatch(request=request, do_cfg=is_guided(request))
         return self.run_stages(
             batch,
             [

@@ -19,7 +19,7 @@ from distvideo.pipelines.conditioning import condition_latents, pil_image, vae_i
 from distvideo.pipelines.control import StepControl
 from distvideo.pipelines.stages import StagedWanPipeline
 from distvideo.pipelines.wan import WanBatch
-from distvideo.request import GenerationRequest
+from distvideo.request import GenerationRequest, is_guided
 
 
 @dataclass
@@ -35,7 +35,7 @@ class Wan22TI2VPipeline(StagedWanPipeline):
 
     def __call__(self, request: GenerationRequest, control: StepControl | None = None) -> WanBatch:
         assert request.guidance_scale is not None
-        batch = TokenTimestepBatch(request=request, do_cfg=request.guidance_scale > 1.0)
+        batch = TokenTimestepBatch(request=request, do_cfg=is_guided(request))
         return self.run_stages(
             batch,
             [

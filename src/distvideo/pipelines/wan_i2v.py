@@ -28,7 +28,7 @@ from distvideo.pipelines.conditioning import (
 from distvideo.pipelines.control import StepControl
 from distvideo.pipelines.stages import StagedWanPipeline
 from distvideo.pipelines.wan import WanBatch
-from distvideo.request import GenerationRequest
+from distvideo.request import GenerationRequest, is_guided
 
 if TYPE_CHECKING:
     from distvideo.parallel.context import ParallelContext
@@ -63,7 +63,7 @@ class WanI2VPipeline(StagedWanPipeline):
     def __call__(self, request: GenerationRequest, control: StepControl | None = None) -> WanBatch:
         """Run the stages for a resolved request (its image read into a uint8 array)."""
         assert request.guidance_scale is not None and request.image is not None
-        batch = ImageBatch(request=request, do_cfg=request.guidance_scale > 1.0, image=pil_image(request.image))
+        batch = ImageBatch(request=request, do_cfg=is_guided(request), image=pil_image(request.image))
         return self.run_stages(
             batch,
             [

@@ -13,6 +13,7 @@ from distvideo.config import Naming
 from distvideo.errors import ConfigError
 from distvideo.models.embedded import prompt_warning
 from distvideo.models.registry import ModelInfo
+from distvideo.models.schedules import SCHEDULE_KEYS  # chosen per request too
 from distvideo.request import GenerationRequest
 from distvideo.serving.options import ServeLimits
 from distvideo.serving.schemas import VideoCreate
@@ -110,7 +111,7 @@ class Admission:
         for name in ("negative_prompt", "num_frames", "num_inference_steps", "guidance_scale", "seed", "fps"):
             if getattr(body, name) is not None:
                 values[name] = getattr(body, name)
-        for name in CACHE_FIELDS:
+        for name in (*CACHE_FIELDS, *SCHEDULE_KEYS):
             if getattr(body, name) is not None:
                 values[name] = getattr(body, name)
         if body.size is not None:

@@ -86,6 +86,15 @@ class VideoCreate(BaseModel):
     )
     cache_warmup_steps: int | None = Field(None, ge=0, le=100000, description="steps always computed first")
     cache_max_skip: int | None = Field(None, ge=1, le=100000, description="at most this many consecutive skips")
+    # the noise schedule (docs/performance.md, "Few-step models"); checked by the model's request resolution
+    scheduler: str | None = Field(None, max_length=32, description="default (the checkpoint's), unipc, euler or dpm")
+    flow_shift: float | None = Field(None, gt=0, allow_inf_nan=False, description="the flow-matching shift")
+    timesteps: list[float] | None = Field(
+        None, min_length=1, max_length=1000, description="one timestep per step, decreasing (e.g. [1000, 750, 500])"
+    )
+    sigmas: list[float] | None = Field(
+        None, min_length=1, max_length=1000, description="one sigma per step, decreasing, at most 1 (or timesteps)"
+    )
 
 
 class VideoError(BaseModel):
