@@ -20,7 +20,10 @@ and what was measured so far is written after every phase):
    timed shape, 4 steps: per-step time and speedup against the unquantized engine, PSNR and max difference of the
    frames, the weight report (gpu_check_more.py); a setting the device cannot run is skipped with distvideo's
    refusal (in --smoke mode: fp8-weight runs, fp8 is refused on the CPU);
-7. compile: `distvideo bench --compile` (regional torch.compile of the transformer blocks) on the first timed shape:
+7. few_step: a step-distilled schedule (4 Euler steps, LightX2V's timesteps, no guidance: one branch) against the
+   guided 50-step request on the 1.3B-shaped checkpoint at the first timed shape: denoising and end-to-end times and
+   their ratio (gpu_check_few_step.py; in --smoke mode 8 guided steps);
+8. compile: `distvideo bench --compile` (regional torch.compile of the transformer blocks) on the first timed shape:
    the compiling first run, warm runs beside the bench phase's uncompiled figures, frames against an uncompiled run;
    skipped in --smoke mode (compiling takes 20-35 s on 2 CPU cores; tests/test_compile.py covers it on CPU).
 
@@ -54,7 +57,7 @@ from typing import Any
 
 PHASES = (
     *("build", "parity_diffusers", "parity_executors", "bench", "layout_estimate", "caching", "quantize", "offload"),
-    "compile",
+    *("few_step", "compile"),
 )
 WATCHDOG_GRACE_S = 15.0
 
@@ -187,6 +190,8 @@ def _phase_line(name: str, phase: dict[str, Any]) -> str:
             else f"{mode}: skipped"
             for mode, m in phase["modes"].items()
         )
+    if name == "few_step" and "speedup_denoising" in phase:
+        detail = f"{phase['shape']}: {phase['speedup_denoising']}x denoising, {phase['speedup_e2e']}x end to end"
     if name == "build" and "large" in phase:
         t = phase["large"]["transformer"]
         detail = (
@@ -371,6 +376,10 @@ def main(argv: list[str] | None = None) -> int:
         from gpu_check_offload import offload_phase
 
         run_phase(run, "offload", budgets["offload"], lambda g: offload_phase(sizes, large, g, run.log))
+    if "few_step" in args.chosen:
+        from gpu_check_few_step import few_step_phase
+
+        run_phase(run, "few_step", budgets["few_step"], lambda g: few_step_phase(sizes, large, g, run.log))
     if "compile" in args.chosen:
         run_phase(run, "compile", budgets["compile"], lambda g: ph.compile_phase(sizes, large, g, run.log))
     with run.lock:

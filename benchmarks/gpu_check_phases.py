@@ -72,6 +72,7 @@ GPU = Sizes(
         "caching": 100,
         "quantize": 120,
         "offload": 90,
+        "few_step": 60,
         "compile": 150,
     },
 )
@@ -98,6 +99,7 @@ SMOKE = Sizes(
         "caching": 60,
         "quantize": 60,
         "offload": 5,
+        "few_step": 60,
         "compile": 5,
     },
     matmul_size=128,

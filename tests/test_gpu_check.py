@@ -76,9 +76,15 @@ def test_smoke_run_writes_every_phase(smoke_run):
     phases = report["phases"]
     assert list(phases) == [
         "build", "parity_diffusers", "parity_executors", "bench", "layout_estimate", "caching", "quantize", "offload",
-        "compile",
+        "few_step", "compile",
     ]  # fmt: skip
     assert all("elapsed_s" in p for p in phases.values())
+    few = phases[
+        "few_step"
+    ]  # the distilled schedule's 4 steps in one branch against 8 guided ones (figures, not bounds)
+    assert few["status"] == "ok" and set(few["runs"]) == {"4 steps, no guidance", "8 steps, guided"}, few
+    assert few["speedup_denoising"] > 0 and few["schedule"]["timesteps"] == [1000, 750, 500, 250]
+    assert "| few_step | ok |" in md
 
     large = phases["build"]["large"]
     # the smoke run shrinks Wan2.1-T2V-1.3B's builder; what is left of its shape: 16 latent channels, z_dim 16

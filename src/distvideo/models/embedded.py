@@ -13,8 +13,13 @@ TINY_MODEL_DIR = _ASSETS / "tiny-wan"
 #: The demo model: a small Wan2.1-architecture model trained on moving shapes (docs/demo-model.md), made by
 #: ``scripts/train_demo_model.py``. It is the embedded default; the suite keeps the tiny model (tests/conftest.py).
 DEMO_MODEL_DIR = _ASSETS / "demo-wan"
+#: The demo model distilled to 4 steps without guidance (docs/demo-model.md, "The 4-step model"), made by
+#: ``scripts/distill_demo_model.py``: its distvideo_defaults.json declares the schedule.
+DEMO_4STEP_MODEL_DIR = _ASSETS / "demo-wan-4step"
 #: The embedded default model: the model used when none is given (and DISTVIDEO_MODEL is unset).
 EMBEDDED_MODEL_DIR = DEMO_MODEL_DIR
+#: Names `--model` takes for the shipped models (a folder of that name, when there is one, wins)
+SHIPPED_MODELS = {"demo": DEMO_MODEL_DIR, "demo-4step": DEMO_4STEP_MODEL_DIR}
 #: A caption of the demo model's grammar (docs/demo-model.md): colour, shape, direction, background
 DEMO_EXAMPLE_PROMPT = "a red ball moving right on a black background"
 #: What a page suggests for any other model (a scene, not the demo's grammar)
@@ -25,7 +30,7 @@ IMAGE_EXAMPLE_PROMPT = "the scene in the image comes to life, the camera slowly 
 def example_prompt(model_dir: Path, takes_image: bool) -> str:
     """A prompt that fits the model at `model_dir`: the demo model's grammar for the demo model (other words give
     it an arbitrary blob), a description of motion for an image-to-video model, else a scene."""
-    if model_dir.resolve() == DEMO_MODEL_DIR.resolve():
+    if _is_demo(model_dir):
         return DEMO_EXAMPLE_PROMPT
     return IMAGE_EXAMPLE_PROMPT if takes_image else GENERIC_EXAMPLE_PROMPT
 
@@ -51,7 +56,7 @@ def prompt_warning(model_dir: Path, prompt: str) -> str | None:
     """A warning for a prompt the model cannot draw: the demo model knows only its grammar (it draws an arbitrary blob
     for anything else, and nothing visible for a shape of the background's colour); None for a caption of it, and for
     every other model."""
-    if model_dir.resolve() != DEMO_MODEL_DIR.resolve():
+    if not _is_demo(model_dir):
         return None
     match = DEMO_CAPTION.match(prompt.strip())
     if match:
@@ -63,6 +68,11 @@ def prompt_warning(model_dir: Path, prompt: str) -> str | None:
         f"colour is not the background's), and draws an arbitrary blob for the prompt {prompt[:80]!r}; try "
         f"{DEMO_EXAMPLE_PROMPT!r}, or use a real checkpoint (--model) for other prompts"
     )
+
+
+def _is_demo(model_dir: Path) -> bool:
+    """The demo model or its 4-step student: the same grammar."""
+    return model_dir.resolve() in (DEMO_MODEL_DIR.resolve(), DEMO_4STEP_MODEL_DIR.resolve())
 
 
 def packaged_model(path: Path) -> bool:

@@ -16,6 +16,7 @@ import re
 from pathlib import Path
 
 from distvideo.errors import ConfigError
+from distvideo.models.embedded import SHIPPED_MODELS
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +31,11 @@ def looks_like_repo_id(model: str) -> bool:
 def resolve_model(model: str) -> str:
     """The local folder of `model`: itself when it exists (or is not a repo id: the registry says what is wrong
     with it), else the hub cache's snapshot of the repo id, downloaded first when missing and allowed."""
-    if Path(model).expanduser().exists() or not looks_like_repo_id(model):
+    if Path(model).expanduser().exists():
+        return model
+    if model in SHIPPED_MODELS:  # a model shipped in the package, by name: demo, demo-4step
+        return str(SHIPPED_MODELS[model])
+    if not looks_like_repo_id(model):
         return model
     cached = _cached_snapshot(model)
     if cached is not None:
