@@ -45,7 +45,8 @@ def _timed(run: dict[str, Any]) -> dict[str, Any]:
 
 
 def caching_phase(sizes: Any, large: str, guard: Any, progress: Callable[[str], None]) -> dict[str, Any]:
-    """On the large checkpoint at the first timed shape and the run's step count, one inline engine: a short warm-up,
+    """On the large checkpoint at the first timed shape and the run's step count (at least MIN_CACHE_STEPS), one
+    inline engine: a short warm-up,
     MagCache's calibration run (every step computed; its ratios written beside the checkpoint), the uncached
     reference, then each of CACHE_RUNS: denoising time and speedup against the reference, the skipped steps, and the
     frames' PSNR and max difference against the reference. Random weights: the steps skipped at a threshold are not
@@ -54,14 +55,15 @@ def caching_phase(sizes: Any, large: str, guard: Any, progress: Callable[[str], 
 
     from distvideo.bench.measure import distvideo_run
     from distvideo.generator import VideoGenerator
-    from distvideo.models.cache_ratios import ratios_key, scheduler_name, write_ratios
+    from distvideo.models.cache_ratios import MIN_CACHE_STEPS, ratios_key, scheduler_name, write_ratios
     from distvideo.request import CACHE_CALIBRATE
 
     shape = sizes.shapes[0]
     key = f"{shape['num_frames']}x{shape['height']}x{shape['width']}"
-    plan = bench_plan(large, sizes, shape, sizes.steps, compare=False)
+    steps = max(sizes.steps, MIN_CACHE_STEPS)  # a step cache is refused below it (the smoke run's 2 steps)
+    plan = bench_plan(large, sizes, shape, steps, compare=False)
     base = dataclasses.replace(plan.request, save_video=False, return_frames=True)
-    out: dict[str, Any] = {"status": "ok", "shape": key, "steps": sizes.steps, "runs": {}}
+    out: dict[str, Any] = {"status": "ok", "shape": key, "steps": steps, "runs": {}}
     with VideoGenerator.from_engine(plan.engine) as gen:
         distvideo_run(gen, dataclasses.replace(base, num_inference_steps=2))  # kernels, allocator: untimed
         began = time.monotonic()
@@ -70,8 +72,8 @@ def caching_phase(sizes: Any, large: str, guard: Any, progress: Callable[[str], 
         ratios = (calibration.get("cache") or {}).get("ratios")
         if ratios:
             model = gen.model_info
-            name = ratios_key(scheduler_name(model.index), sizes.steps)
-            write_ratios(model.path, scheduler_name(model.index), sizes.steps, ratios)
+            name = ratios_key(scheduler_name(model.index), steps)
+            write_ratios(model.path, scheduler_name(model.index), steps, ratios)
             for info in {id(m): m for m in (model, plan.engine.model)}.values():
                 info.cache_ratios[name] = [float(r) for r in ratios]
         out["calibration"] = {"denoising_s": round(calibration["stages"]["denoising"], 3), "ratios": ratios}
@@ -98,7 +100,7 @@ def caching_phase(sizes: Any, large: str, guard: Any, progress: Callable[[str], 
             out["runs"][label] = {"status": "ok", **timed}
             progress(
                 f"caching: {label}: {timed['speedup_denoising']:.2f}x, skipped "
-                f"{len((record.get('cache') or {}).get('skipped_steps', []))} of {sizes.steps}, PSNR "
+                f"{len((record.get('cache') or {}).get('skipped_steps', []))} of {steps}, PSNR "
                 f"{timed['psnr_db']:.1f} dB ({guard.left():.0f} s left)"
             )
     return out

@@ -28,6 +28,7 @@ from distvideo.testing.distilled import (
     build_step_distill_lora,
 )
 from launch_groups import torchrun_case
+from rank_scripts.few_step_ranks import LORA_REQUEST
 from rank_scripts.few_step_ranks import PROMPT as RANKS_PROMPT
 
 from conftest import diffusers_pipeline, max_abs_diff
@@ -161,6 +162,7 @@ def test_a_declared_schedule_is_checked_and_yields_to_the_request(fastwan, tmp_p
     eight = model.resolve_request(GenerationRequest(prompt="x", num_inference_steps=8))
     assert (eight.num_inference_steps, eight.timesteps) == (8, None)
     assert model.schedule(eight).config["shift"] == FASTWAN_FLOW_SHIFT
+    assert model.resolve_request(GenerationRequest(prompt="x", scheduler="dpm")).timesteps is None  # takes no list
     # a list of its own sets the steps
     mine = model.resolve_request(GenerationRequest(prompt="x", sigmas=[1.0, 0.5]))
     assert (mine.num_inference_steps, mine.timesteps, mine.sigmas) == (2, None, [1.0, 0.5])
@@ -183,10 +185,26 @@ def test_a_guidance_free_checkpoint_gets_no_cfg_degree_on_any_path(fastwan, tiny
     assert resolve_engine(guided, environ={}).layout.cfg_degree == 2
 
 
+def _lora_reference(tiny_model, lora, prompt: str, *, seed: int, **request):
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    schedule = LIGHTX2V_STEP_DISTILL
+    return _reference(
+        tiny_model,
+        prompt,
+        lora=lora,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=schedule["flow_shift"]),
+        sigmas=[t / 1000 for t in schedule["timesteps"]],
+        seed=seed,
+        num_inference_steps=4,
+        guidance_scale=1.0,
+        **request,
+    )
+
+
 def test_a_lightx2v_named_step_distill_lora_runs_its_schedule_as_diffusers(tiny_model, tmp_path):
     """LightX2V's key naming (diffusion_model.blocks.N.self_attn.q.lora_down.weight), rank 32, alpha 32, with the
     schedule its config gives, against diffusers loading the same file (its converter for the original Wan keys)."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
     from safetensors import safe_open
 
     lora = build_step_distill_lora(tiny_model, tmp_path / "lightx2v_rank32.safetensors")
@@ -199,17 +217,7 @@ def test_a_lightx2v_named_step_distill_lora_runs_its_schedule_as_diffusers(tiny_
         counts = _counting(gen)
         res = gen.generate("a cat on a sofa", seed=4, save_video=False, **SMALL, **schedule)
     assert counts == {"forwards": 4, "texts": 1}
-    ref = _reference(
-        tiny_model,
-        "a cat on a sofa",
-        lora=lora,
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=schedule["flow_shift"]),
-        sigmas=[t / 1000 for t in schedule["timesteps"]],
-        seed=4,
-        num_inference_steps=4,
-        guidance_scale=1.0,
-        **SMALL,
-    )
+    ref = _lora_reference(tiny_model, lora, "a cat on a sofa", seed=4, **SMALL)
     assert max_abs_diff(res.frames, ref) <= 2
 
 
@@ -225,15 +233,20 @@ launched = LAUNCH.fixture("launched")
 
 @pytest.mark.launcher
 @pytest.mark.slow
-def test_under_torchrun_the_engine_picks_one_branch_and_matches_diffusers(launched, fastwan):
+def test_under_torchrun_the_engine_picks_one_branch_and_matches_diffusers(launched, fastwan, tiny_model, tmp_path):
     """The layout the engine picks for a declared guidance of 1 on 2 ranks (sequence parallel, no CFG halves), and
-    two replicas, each within 2 of diffusers' frames for the declared schedule."""
+    two replicas, each within 2 of diffusers' frames for the declared schedule; the step-distill LoRA at sp 2 within
+    2 of diffusers with the LoRA (the file the ranks built: the builder is deterministic)."""
     from launchers import format_output
 
     folder, proc = launched
     assert proc.returncode == 0, format_output(proc)
     layouts = json.loads((folder / "out" / "layouts.json").read_text())
-    assert layouts == {"sp": "world 2 = cfg 1 x sp 2", "replicas": "world 2 = replicas 2 x cfg 1 x sp 1"}, layouts
+    assert layouts == {
+        "sp": "world 2 = cfg 1 x sp 2",
+        "replicas": "world 2 = replicas 2 x cfg 1 x sp 1",
+        "lora": "world 2 = cfg 1 x sp 2",
+    }, layouts
     ref = _reference(
         fastwan,
         RANKS_PROMPT,
@@ -247,3 +260,8 @@ def test_under_torchrun_the_engine_picks_one_branch_and_matches_diffusers(launch
     )
     for name in ("sp", "replicas"):
         assert max_abs_diff(np.load(folder / "out" / f"{name}.npy"), ref) <= 2, name
+    lora = build_step_distill_lora(tiny_model, tmp_path / "lightx2v.safetensors")
+    assert lora.read_bytes() == (folder / "out" / "rank0" / "lightx2v.safetensors").read_bytes()
+    request = {k: v for k, v in LORA_REQUEST.items() if k in ("num_frames", "height", "width")}
+    lora_ref = _lora_reference(tiny_model, lora, RANKS_PROMPT, seed=LORA_REQUEST["seed"], **request)
+    assert max_abs_diff(np.load(folder / "out" / "lora.npy"), lora_ref) <= 2

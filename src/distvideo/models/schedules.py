@@ -48,15 +48,16 @@ class Schedule:
 
 def fill_schedule(request: GenerationRequest, defaults: dict[str, Any]) -> tuple[GenerationRequest, dict[str, Any]]:
     """The steps an explicit list sets, and the model's defaults less a declared list the request overrides: a list
-    of the request's own, or a step count the checkpoint's list does not have (its scheduler then spaces the steps
-    itself, with the declared shift)."""
+    of the request's own, a step count the checkpoint's list does not have, or the DPM-Solver, which takes no list
+    (the scheduler then spaces the steps itself, with the declared shift)."""
     defaults = dict(defaults)
     given = request.timesteps if request.timesteps is not None else request.sigmas
     if given is not None and request.num_inference_steps is None:
         request = dataclasses.replace(request, num_inference_steps=len(given))
     steps = request.num_inference_steps
     declared = defaults.get("timesteps") or defaults.get("sigmas")
-    if given is not None or (steps is not None and declared is not None and len(declared) != steps):
+    other_count = steps is not None and declared is not None and len(declared) != steps
+    if given is not None or other_count or request.scheduler == "dpm":  # DPM-Solver takes no list: its own spacing
         defaults = {k: v for k, v in defaults.items() if k not in ("timesteps", "sigmas")}
     return request, defaults
 
