@@ -174,6 +174,18 @@ def test_a_declared_schedule_is_checked_and_yields_to_the_request(fastwan, tmp_p
         probe_model(broken)
 
 
+def test_generate_runs_the_4_step_demo_model_by_name_from_its_declaration(tmp_path, capsys):
+    """`distvideo generate --model demo-4step --prompt ...`: the shipped distilled model, its declared schedule."""
+    out = tmp_path / "ball.mp4"
+    argv = ["generate", "--model", "demo-4step", "--prompt", "a red ball moving right on a black background"]
+    assert main([*argv, "--output", str(out), "--no-progress", "--executor", "inline"]) == 0
+    assert out.stat().st_size > 0
+    from distvideo.models.embedded import DEMO_4STEP_MODEL_DIR
+
+    request = probe_model(DEMO_4STEP_MODEL_DIR).resolve_request(GenerationRequest(prompt="x"))
+    assert (request.num_inference_steps, request.guidance_scale, request.scheduler) == (4, 1.0, "euler")
+
+
 def test_a_guidance_free_checkpoint_gets_no_cfg_degree_on_any_path(fastwan, tiny_model):
     """generate plans for latency, batch and serve for throughput, and the fixed rules apply where a layout option is
     given: none splits a guidance-free checkpoint into CFG halves; the guided model on the same world still gets them."""
@@ -235,8 +247,8 @@ launched = LAUNCH.fixture("launched")
 @pytest.mark.slow
 def test_under_torchrun_the_engine_picks_one_branch_and_matches_diffusers(launched, fastwan, tiny_model, tmp_path):
     """The layout the engine picks for a declared guidance of 1 on 2 ranks (sequence parallel, no CFG halves), and
-    two replicas, each within 2 of diffusers' frames for the declared schedule; the step-distill LoRA at sp 2 within
-    2 of diffusers with the LoRA (the file the ranks built: the builder is deterministic)."""
+    two replicas, each within 2 of diffusers' frames for the declared schedule; the step-distill LoRA at sp 2 and as two
+    replicas, within 2 of diffusers with the LoRA (the file the ranks built: the builder is deterministic)."""
     from launchers import format_output
 
     folder, proc = launched
@@ -246,6 +258,7 @@ def test_under_torchrun_the_engine_picks_one_branch_and_matches_diffusers(launch
         "sp": "world 2 = cfg 1 x sp 2",
         "replicas": "world 2 = replicas 2 x cfg 1 x sp 1",
         "lora": "world 2 = cfg 1 x sp 2",
+        "lora-replicas": "world 2 = replicas 2 x cfg 1 x sp 1",
     }, layouts
     ref = _reference(
         fastwan,
@@ -264,4 +277,5 @@ def test_under_torchrun_the_engine_picks_one_branch_and_matches_diffusers(launch
     assert lora.read_bytes() == (folder / "out" / "rank0" / "lightx2v.safetensors").read_bytes()
     request = {k: v for k, v in LORA_REQUEST.items() if k in ("num_frames", "height", "width")}
     lora_ref = _lora_reference(tiny_model, lora, RANKS_PROMPT, seed=LORA_REQUEST["seed"], **request)
-    assert max_abs_diff(np.load(folder / "out" / "lora.npy"), lora_ref) <= 2
+    for name in ("lora", "lora-replicas"):
+        assert max_abs_diff(np.load(folder / "out" / f"{name}.npy"), lora_ref) <= 2, name

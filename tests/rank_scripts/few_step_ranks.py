@@ -1,13 +1,13 @@
 """Run by every rank of a 2-rank torchrun launch: a FastWan-style checkpoint (3 declared steps, no guidance) on the
 layout the engine picks for it (one branch: cfg 1 x sp 2), then as two replicas; and the tiny model with a
-LightX2V-named step-distill LoRA at sp 2 with that LoRA's schedule (tests/test_schedules.py compares each with
+LightX2V-named step-distill LoRA at sp 2 and as two replicas with that LoRA's schedule (tests/test_schedules.py compares each with
 diffusers). Each rank builds the checkpoint into a folder of its own (the builder is deterministic: the
 same bytes as the test's), here rather than in the test's background thread, where diffusers' loading in the main
 thread would put the new modules on the meta device.
 
 usage: few_step_ranks.py OUT_DIR
 
-The output rank writes OUT_DIR/{sp,replicas,lora}.npy and OUT_DIR/layouts.json (each engine's layout).
+The output rank writes OUT_DIR/{sp,replicas,lora,lora-replicas}.npy and OUT_DIR/layouts.json (each engine's layout).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ def main() -> None:
         ("sp", model, {}, {"seed": 7}),
         ("replicas", model, {"replicas": 2}, {"seed": 7}),
         ("lora", tiny_model_path(), {"sp_size": 2, "lora": [str(lora)]}, LORA_REQUEST),
+        ("lora-replicas", tiny_model_path(), {"replicas": 2, "lora": [str(lora)]}, LORA_REQUEST),
     ]
     for name, path, engine, request in runs:
         with VideoGenerator.from_pretrained(path, num_gpus=2, progress=False, **engine) as gen:

@@ -245,7 +245,8 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
             f"--model: {path.parent} is not a diffusers checkpoint: {what} {path.name} is missing"
         ) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"--model: {path} is not valid JSON ({exc})") from None
+        fix = "fix it" if path.name == DEFAULTS_FILE else "re-download the checkpoint (or that file)"
+        raise ConfigError(f"--model: {path} is not valid JSON ({exc}); {fix}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"--model: {path} must hold a JSON object")
     return data

@@ -89,11 +89,12 @@ class VideoCreate(BaseModel):
     # the noise schedule (docs/performance.md, "Few-step models"); checked by the model's request resolution
     scheduler: str | None = Field(None, max_length=32, description="default (the checkpoint's), unipc, euler or dpm")
     flow_shift: float | None = Field(None, gt=0, allow_inf_nan=False, description="the flow-matching shift")
+    # at most 100 values over HTTP (a request body stays under the server's size limit in any encoding)
     timesteps: list[float] | None = Field(
-        None, min_length=1, max_length=1000, description="one timestep per step, decreasing (e.g. [1000, 750, 500])"
+        None, min_length=1, max_length=100, description="one timestep per step, decreasing (e.g. [1000, 750, 500])"
     )
     sigmas: list[float] | None = Field(
-        None, min_length=1, max_length=1000, description="one sigma per step, decreasing, at most 1 (or timesteps)"
+        None, min_length=1, max_length=100, description="one sigma per step, decreasing, at most 1 (or timesteps)"
     )
 
 
