@@ -1,4 +1,4 @@
-"""The service's life on real servers: SIGTERM under inline, mp and torchrun (the running job finishes within the grace
+"""The service's life on real servers: SIGTERM under inline and torchrun (the running job finishes within the grace
 period, or is cancelled after it; queued jobs fail; every rank exits, with 0), a restart over the same output folder
 (finished jobs still listed and downloadable, interrupted ones failed with the reason), and a rank that dies (the
 job fails, /health turns unhealthy, the process exits 1)."""
@@ -47,13 +47,15 @@ def launched_ranks(server) -> list[psutil.Process]:
     "executor",
     [
         pytest.param("inline", marks=pytest.mark.slow),
-        pytest.param("mp", marks=pytest.mark.slow),
         pytest.param("torchrun", marks=[pytest.mark.launcher, pytest.mark.slow]),
     ],
 )
 def test_sigterm_lets_the_running_job_finish_fails_the_queued_and_exits_0(tmp_path, executor):
     """The running job is held after its first step (HELD) until the test saw the server stopping, so it cannot end
-    before the signal, nor outlast the grace period."""
+    before the signal, nor outlast the grace period. The drain is the server's, whatever runs the ranks: in process
+    (inline) and launched (torchrun) here; an mp server stops on SIGTERM at the end of every test_serving_api.py run
+    (its running job cancelled after the grace period), and mp's workers end with their driver
+    (test_mp_executor.py)."""
     with start_server(tmp_path, executor, hold=True) as server:
         running = server.create(prompt="finish me", **HELD)
         queued = server.create(prompt="never started", **SMALL)
