@@ -38,9 +38,11 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # train_demo_model: the teacher's logging and optimiser step
 
 import numpy as np
 import torch
+from train_demo_model import log, optimizer_step
 
 from distvideo.models.embedded import DEMO_MODEL_DIR
 from distvideo.testing import shapes
@@ -51,13 +53,6 @@ TEACHER_GUIDANCE = 5.0
 STOPS = (0, 5, 10, 15)  # the teacher's step indices where the student's four steps start
 SHIFT = 3.0  # the teacher scheduler's flow shift, which the student's Euler steps keep
 BATCH = 56  # trajectories per teacher batch (168 captions = 3 batches per seed)
-
-
-def log(work: Path, **record: Any) -> None:
-    line = json.dumps(record)
-    print(line, flush=True)
-    with open(work / "log.jsonl", "a") as f:
-        f.write(line + "\n")
 
 
 def unshifted_sigmas() -> list[float]:
@@ -172,14 +167,7 @@ def train(work: Path, steps: int, minutes: float, batch: int, lr: float, device:
             return_dict=False,
         )[0]
         loss = (pred - target.to(device)).pow(2).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
-        opt.step()
-        decay = min(0.999, (1 + step) / (10 + step))
-        with torch.no_grad():
-            for pe, pm in zip(ema.parameters(), student.parameters(), strict=True):
-                pe.lerp_(pm, 1 - decay)
+        optimizer_step(opt, student, ema, loss, step)
         running = loss.item() if running is None else 0.98 * running + 0.02 * loss.item()
         if step % 50 == 0:
             log(work, stage="train", step=step, loss=round(loss.item(), 5), loss_avg=round(running, 5),

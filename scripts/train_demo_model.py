@@ -333,6 +333,20 @@ class TextSide(torch.nn.Module):
         return hidden[inverse]
 
 
+def optimizer_step(
+    opt: torch.optim.Optimizer, model: torch.nn.Module, ema: torch.nn.Module, loss: torch.Tensor, step: int
+) -> None:
+    """One AdamW step on `loss` (gradients clipped at 1), then the EMA (decay ramping up to 0.999) that is exported."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    decay = min(0.999, (1 + step) / (10 + step))
+    with torch.no_grad():
+        for pe, pm in zip(ema.parameters(), model.parameters(), strict=True):
+            pe.lerp_(pm, 1 - decay)
+
+
 def train_transformer(work: Path, steps: int, batch: int, lr: float, minutes: float | None = None) -> None:
     """``minutes``: a time budget; the learning rate follows whichever of steps and time is further along, and the
     stage ends when either runs out. The text encoder trains with the transformer (same optimiser and EMA)."""
@@ -390,14 +404,7 @@ def train_transformer(work: Path, steps: int, batch: int, lr: float, minutes: fl
         embeds = model["text"](text.to(DEVICE))
         pred = transformer(hidden_states=xt, timestep=sigma * 1000, encoder_hidden_states=embeds, return_dict=False)[0]
         loss = (pred - (noise - x0)).pow(2).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        decay = min(0.999, (1 + step) / (10 + step))
-        with torch.no_grad():
-            for pe, pm in zip(ema.parameters(), model.parameters(), strict=True):
-                pe.lerp_(pm, 1 - decay)
+        optimizer_step(opt, model, ema, loss, step)
         running = loss.item() if running is None else 0.98 * running + 0.02 * loss.item()
         if step % 50 == 0 or step == steps - 1:
             log(

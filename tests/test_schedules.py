@@ -10,7 +10,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from distvideo import VideoGenerator
 from distvideo.cli.main import main
@@ -31,7 +30,7 @@ from launch_groups import torchrun_case
 from rank_scripts.few_step_ranks import LORA_REQUEST
 from rank_scripts.few_step_ranks import PROMPT as RANKS_PROMPT
 
-from conftest import diffusers_pipeline, max_abs_diff
+from conftest import diffusers_frames, diffusers_pipeline, max_abs_diff
 
 SMALL = dict(num_frames=5, height=32, width=48)
 
@@ -50,11 +49,9 @@ def _counting(gen: VideoGenerator) -> dict[str, int]:
     return counts
 
 
-def _reference(model, prompt: str, *, scheduler=None, sigmas=None, seed: int, lora=None, **kwargs):
-    """diffusers' WanPipeline frames (uint8) with `scheduler` put in, and `sigmas` passed to its set_timesteps (the
-    pipeline's __call__ takes no timesteps)."""
-    import numpy as np
-
+def _reference(model, prompt: str, *, scheduler=None, sigmas=None, lora=None, **kwargs):
+    """diffusers' WanPipeline frames (uint8, conftest.diffusers_frames) with `scheduler` put in, and `sigmas` passed
+    to its set_timesteps (the pipeline's __call__ takes no timesteps)."""
     pipe = diffusers_pipeline(model)
     if lora is not None:
         pipe.load_lora_weights(str(lora), adapter_name="distill")
@@ -64,8 +61,22 @@ def _reference(model, prompt: str, *, scheduler=None, sigmas=None, seed: int, lo
         set_timesteps = pipe.scheduler.set_timesteps
         given = np.asarray(sigmas, dtype=np.float64)  # an array: diffusers' UniPC shifts no Python list
         pipe.scheduler.set_timesteps = lambda steps, device=None: set_timesteps(sigmas=given, device=device)
-    out = pipe(prompt, generator=torch.Generator("cpu").manual_seed(seed), output_type="np", **kwargs).frames[0]
-    return np.round(out * 255).astype(np.uint8)
+    return diffusers_frames(pipe, prompt, **kwargs)
+
+
+def _fastwan_reference(fastwan, prompt: str, *, seed: int):
+    """diffusers' frames for the FastWan-style checkpoint's declared request: 3 steps at its timesteps, no guidance."""
+    return _reference(
+        fastwan,
+        prompt,
+        sigmas=[t / 1000 for t in FASTWAN_TIMESTEPS],
+        seed=seed,
+        num_frames=17,
+        height=64,
+        width=64,
+        num_inference_steps=len(FASTWAN_TIMESTEPS),
+        guidance_scale=1.0,
+    )
 
 
 def test_a_distilled_checkpoint_runs_its_declared_schedule_in_one_branch_as_diffusers(fastwan):
@@ -76,17 +87,7 @@ def test_a_distilled_checkpoint_runs_its_declared_schedule_in_one_branch_as_diff
     assert (request.num_inference_steps, request.guidance_scale) == (3, 1.0)
     assert request.timesteps == FASTWAN_TIMESTEPS
     assert counts == {"forwards": 3, "texts": 1}  # one branch: no unconditional text, no second forward
-    ref = _reference(
-        fastwan,
-        "a red fox running through snow",
-        sigmas=[t / 1000 for t in FASTWAN_TIMESTEPS],
-        seed=7,
-        num_frames=17,
-        height=64,
-        width=64,
-        num_inference_steps=3,
-        guidance_scale=1.0,
-    )
+    ref = _fastwan_reference(fastwan, "a red fox running through snow", seed=7)
     assert res.frames.std() > 1.0, "flat frames would prove nothing"
     assert max_abs_diff(res.frames, ref) <= 2
 
@@ -260,17 +261,7 @@ def test_under_torchrun_the_engine_picks_one_branch_and_matches_diffusers(launch
         "lora": "world 2 = cfg 1 x sp 2",
         "lora-replicas": "world 2 = replicas 2 x cfg 1 x sp 1",
     }, layouts
-    ref = _reference(
-        fastwan,
-        RANKS_PROMPT,
-        sigmas=[t / 1000 for t in FASTWAN_TIMESTEPS],
-        seed=7,
-        num_frames=17,
-        height=64,
-        width=64,
-        num_inference_steps=3,
-        guidance_scale=1.0,
-    )
+    ref = _fastwan_reference(fastwan, RANKS_PROMPT, seed=7)
     for name in ("sp", "replicas"):
         assert max_abs_diff(np.load(folder / "out" / f"{name}.npy"), ref) <= 2, name
     lora = build_step_distill_lora(tiny_model, tmp_path / "lightx2v.safetensors")

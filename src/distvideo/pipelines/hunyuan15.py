@@ -86,7 +86,6 @@ class HunyuanVideo15T2VPipeline(StagedWanPipeline):
             "vae": self.vae,
         }
         self.offload = ComponentOffload(modules, device, offload)
-        self.scheduler = components["scheduler"]  # the checkpoint's; each request gets a fresh one (its schedule)
         self.device = device
         self.show_progress = show_progress
 
@@ -122,7 +121,7 @@ class HunyuanVideo15T2VPipeline(StagedWanPipeline):
         return HunyuanText(embeds.to(dtype), mask.to(dtype), glyph.to(dtype), glyph_mask.to(dtype))
 
     def prepare_timesteps(self, batch: WanBatch) -> None:
-        scheduler = request_scheduler(self.scheduler, batch.request, self.device, linear_sigmas=True)
+        scheduler = request_scheduler(self.model, batch.request, self.device, linear_sigmas=True)
         batch.scheduler = scheduler
         batch.timesteps = scheduler.timesteps
 

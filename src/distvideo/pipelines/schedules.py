@@ -1,6 +1,6 @@
-"""A fresh scheduler per request, built from the request's schedule (models/schedules.py): the checkpoint's own
-scheduler and spacing unless the request (or the checkpoint's distvideo_defaults.json) names another scheduler, a
-flow shift or an explicit list."""
+"""A fresh scheduler per request, built from the request's schedule (models/schedules.py, resolved from the
+checkpoint's scheduler config as `ModelInfo.schedule` reads it): the checkpoint's own scheduler and spacing unless
+the request (or the checkpoint's distvideo_defaults.json) names another scheduler, a flow shift or an explicit list."""
 
 from __future__ import annotations
 
@@ -10,20 +10,18 @@ import diffusers
 import numpy as np
 import torch
 
-from distvideo.models.schedules import SCHEDULER_CLASSES, schedule_for
+from distvideo.models.registry import ModelInfo
+from distvideo.models.schedules import SCHEDULER_CLASSES
 from distvideo.request import GenerationRequest
 
 
 def request_scheduler(
-    loaded: Any, request: GenerationRequest, device: torch.device, *, linear_sigmas: bool = False
+    model: ModelInfo, request: GenerationRequest, device: torch.device, *, linear_sigmas: bool = False
 ) -> Any:
-    """`loaded`: the checkpoint's scheduler component. `linear_sigmas`: the family spaces its steps by sigmas
-    1 ... 1/steps (HunyuanVideo 1.5, as its diffusers pipeline) where the request gives no list; a multistep
-    DPM-Solver spaces its own."""
-    config = {**dict(loaded.config), "_class_name": type(loaded).__name__}
-    schedule = schedule_for(request, config)
-    cls = type(loaded) if schedule.class_name == type(loaded).__name__ else getattr(diffusers, schedule.class_name)
-    scheduler = cls.from_config(schedule.config)
+    """`linear_sigmas`: the family spaces its steps by sigmas 1 ... 1/steps (HunyuanVideo 1.5, as its diffusers
+    pipeline) where the request gives no list; a multistep DPM-Solver spaces its own."""
+    schedule = model.schedule(request)
+    scheduler = getattr(diffusers, schedule.class_name).from_config(schedule.config)
     steps = request.num_inference_steps
     assert steps is not None
     sigmas: Any = schedule.sigmas

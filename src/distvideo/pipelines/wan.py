@@ -83,7 +83,6 @@ class WanT2VPipeline:
         self.image_encoder = encoder.eval() if encoder is not None else None
         modules = {"text_encoder": self.text_encoder, "image_encoder": self.image_encoder, "vae": self.vae}
         self.offload = ComponentOffload(modules, device, offload)
-        self.scheduler = components["scheduler"]  # the checkpoint's; each request gets a fresh one (its schedule)
         self.device = device
         self.show_progress = show_progress
         # the decode constants are fixed per model: build them once, not per request
@@ -126,7 +125,7 @@ class WanT2VPipeline:
         return out
 
     def prepare_timesteps(self, batch: WanBatch) -> None:
-        scheduler = request_scheduler(self.scheduler, batch.request, self.device)
+        scheduler = request_scheduler(self.model, batch.request, self.device)
         batch.scheduler = scheduler
         batch.timesteps = scheduler.timesteps
 
