@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from distvideo import VideoGenerator
 from distvideo.bench.baseline import DiffusersSpec, _DiffusersTimer
-from distvideo.models.cache_ratios import ratios_key, scheduler_name
+from distvideo.models.cache_ratios import mag_threshold, ratios_key, scheduler_name
 from distvideo.models.embedded import DEMO_MODEL_DIR
 from distvideo.models.registry import probe_model
 from distvideo.request import GenerationRequest
@@ -51,7 +51,7 @@ from distvideo.testing.shapes import all_captions
 from distvideo.testing.video_check import check_video
 
 LAYOUTS = {"sp2": dict(sp_size=2, cfg_parallel=False), "cfg2": dict(cfg_parallel=True, sp_size=1)}
-Setting = tuple[str, str | None, float]
+Setting = tuple[str, str | None, float | None]  # (engine, method, threshold: None for the method's default)
 
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
@@ -73,30 +73,50 @@ def ssim(a: np.ndarray, b: np.ndarray, window: int = 7) -> float:
 
 
 def diffusers_cache(
-    timer: _DiffusersTimer, method: str | None, threshold: float, steps: int, ratios: list[float]
+    timer: _DiffusersTimer, method: str | None, threshold: float | None, steps: int, ratios: list[float]
 ) -> None:
-    from diffusers import FirstBlockCacheConfig, MagCacheConfig
+    """diffusers' own hook for the method, with distvideo's defaults where the setting leaves them (mag's threshold
+    for the step count; taylorseer's warmup of 10% of the steps and 4 forecast steps per computed one, diffusers'
+    cache_interval 5, its factors in float32 as the model runs)."""
+    from diffusers import FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig
 
     transformer = timer.pipe.transformer
     if transformer.is_cache_enabled:
         transformer.disable_cache()
     if method == "first-block":
-        transformer.enable_cache(FirstBlockCacheConfig(threshold=threshold))
+        transformer.enable_cache(FirstBlockCacheConfig(threshold=threshold or 0.05))
     elif method == "mag":
-        transformer.enable_cache(MagCacheConfig(threshold=threshold, num_inference_steps=steps, mag_ratios=ratios))
+        chosen = mag_threshold(steps) if threshold is None else threshold
+        transformer.enable_cache(MagCacheConfig(threshold=chosen, num_inference_steps=steps, mag_ratios=ratios))
+    elif method == "taylorseer":  # lite mode: every block skipped, proj_out's output forecast (as ours does)
+        warmup = max(1, round(0.1 * steps))
+        config = TaylorSeerCacheConfig(
+            cache_interval=5, disable_cache_before_step=warmup, taylor_factors_dtype=torch.float32, use_lite_mode=True
+        )
+        transformer.enable_cache(config)
 
 
 def settings(args: argparse.Namespace) -> list[Setting]:
-    out: list[Setting] = [("distvideo", None, 0.0), ("diffusers", None, 0.0)]
+    out: list[Setting] = [("distvideo", None, None), ("diffusers", None, None)]
     for engine in ("distvideo", "diffusers"):
         out += [(engine, "first-block", t) for t in args.thresholds_fb]
         out += [(engine, "mag", t) for t in args.thresholds_mag]
+        out += [(engine, "taylorseer", None)] if args.taylorseer else []
     return out
 
 
+def threshold_arg(text: str) -> float | None:
+    return None if text == "default" else float(text)
+
+
+def shown_threshold(setting: Setting) -> str:
+    _, method, threshold = setting
+    return "-" if method is None or method == "taylorseer" else "default" if threshold is None else str(threshold)
+
+
 def key(setting: Setting) -> str:
-    engine, method, threshold = setting
-    return f"{engine}/{method or 'none'}/{threshold if method else '-'}"
+    engine, method, _ = setting
+    return f"{engine}/{method or 'none'}/{shown_threshold(setting)}"
 
 
 class Runner:
@@ -122,7 +142,7 @@ class Runner:
         """(frames, denoising seconds, skipped steps: NaN for diffusers, whose hooks do not report them)."""
         engine, method, threshold = setting
         if engine == "distvideo":
-            return run_distvideo(self.gen, setting, text, seed, steps)
+            return run_distvideo(self.gen, setting, text, seed, steps)[:3]
         diffusers_cache(self.timer, method, threshold, steps, self.ratios(steps))
         request = GenerationRequest(prompt=text, seed=seed, num_inference_steps=steps)
         out = self.timer.run(self.info.resolve_request(request), return_frames=True)
@@ -133,11 +153,15 @@ class Runner:
 
 
 def run_distvideo(gen: VideoGenerator, setting: Setting, text: str, seed: int, steps: int):
+    """(frames, denoising seconds, skipped steps) of the output rank, and every rank's list of skipped steps."""
     _, method, threshold = setting
-    extra = {} if method is None else {"cache": method, "cache_threshold": threshold}
-    result = gen.generate(text, seed=seed, num_inference_steps=steps, save_video=False, **extra)
-    skipped = len(result.cache["skipped_steps"]) if result.cache else 0
-    return result.frames, result.timings["denoising"], float(skipped)
+    extra: dict[str, Any] = {} if method is None else {"cache": method}
+    if method is not None and threshold is not None:
+        extra["cache_threshold"] = threshold
+    request = GenerationRequest(prompt=text, seed=seed, num_inference_steps=steps, save_video=False, **extra)
+    outputs = gen.collective_rpc("execute_forward", args=(gen.model_info.resolve_request(request),))
+    every_rank = [out.cache["skipped_steps"] if out.cache else [] for out in outputs]
+    return outputs[0].frames, outputs[0].timings["denoising"], float(len(every_rank[0])), every_rank
 
 
 def quality(args: argparse.Namespace, captions: list[int]) -> dict[str, Any]:
@@ -178,7 +202,8 @@ def quality_in_workers(args: argparse.Namespace, captions: list[int]) -> dict[st
             command = [sys.executable, __file__, "--quality-shard", ",".join(map(str, shard)), "--json", str(out)]
             command += ["--model", str(args.model), "--seed", str(args.seed), "--steps", *map(str, args.steps)]
             command += ["--thresholds-fb", *map(str, args.thresholds_fb)]
-            command += ["--thresholds-mag", *map(str, args.thresholds_mag)]
+            command += ["--thresholds-mag", *("default" if t is None else str(t) for t in args.thresholds_mag)]
+            command += ["--taylorseer"] if args.taylorseer else []
             procs.append(subprocess.Popen(command))
             outs.append(out)
         if any(p.wait() != 0 for p in procs):
@@ -216,17 +241,17 @@ def timing(args: argparse.Namespace, captions: list[int]) -> dict[str, Any]:
 
 def layouts(args: argparse.Namespace, captions: list[int]) -> dict[str, Any]:
     """Each layout on mp against the same layout uncached: {layout: {steps: {setting key: {"t", "skipped",
-    "max_diff"}}}}; the skipped steps must equal the inline run's on every rank (GenerationResult.cache is rank 0's,
-    and the ranks' decisions are checked equal in tests/test_caching.py), the frames within 2 of inline."""
+    "max_diff"}}}}; every rank's list of skipped steps must equal the inline run's (each rank's own report, through
+    collective_rpc), the frames within 2 of inline."""
     everything = all_captions()
     ours = [s for s in settings(args) if s[0] == "distvideo"]
-    inline: dict[tuple[int, str, int], tuple[np.ndarray, float]] = {}
+    inline: dict[tuple[int, str, int], tuple[np.ndarray, list[int]]] = {}
     with VideoGenerator.from_pretrained(str(args.model), device="cpu", executor="inline") as gen:
         for steps in args.steps:
             for index in captions:
                 for setting in ours:
-                    frames, _, skipped = run_distvideo(gen, setting, everything[index].text, args.seed, steps)
-                    inline[(steps, key(setting), index)] = (frames, skipped)
+                    frames, _, _, ranks = run_distvideo(gen, setting, everything[index].text, args.seed, steps)
+                    inline[(steps, key(setting), index)] = (frames, ranks[0])
     out: dict[str, Any] = {}
     for name in args.layouts:
         with VideoGenerator.from_pretrained(
@@ -238,18 +263,16 @@ def layouts(args: argparse.Namespace, captions: list[int]) -> dict[str, Any]:
                 for _ in range(args.repeats):
                     for index in captions:
                         for setting in ours:
-                            frames, seconds, skipped = run_distvideo(
+                            frames, seconds, skipped, ranks = run_distvideo(
                                 gen, setting, everything[index].text, args.seed, steps
                             )
-                            ref_frames, ref_skipped = inline[(steps, key(setting), index)]
+                            ref_frames, ref_steps = inline[(steps, key(setting), index)]
                             row = rows.setdefault(key(setting), {"t": [], "skipped": [], "max_diff": []})
                             row["t"].append(seconds)
                             row["skipped"].append(skipped)
                             row["max_diff"].append(float(np.abs(frames.astype(int) - ref_frames.astype(int)).max()))
-                            if skipped != ref_skipped:
-                                raise SystemExit(
-                                    f"{name} {key(setting)}: skipped {skipped} steps, inline {ref_skipped}"
-                                )
+                            if any(steps_of_rank != ref_steps for steps_of_rank in ranks):
+                                raise SystemExit(f"{name} {key(setting)}: skipped {ranks} by rank, inline {ref_steps}")
                 out.setdefault(name, {})[str(steps)] = rows
     return out
 
@@ -269,7 +292,7 @@ def print_tables(args: argparse.Namespace, report: dict[str, Any]) -> None:
         print("|---|---|---|---|---|---|---|---|---|")
         for setting in settings(args):
             name, engine = key(setting), setting[0]
-            base, now = median(t[key((engine, None, 0.0))]), median(t[name])
+            base, now = median(t[key((engine, None, None))]), median(t[name])
             row = q[name]
             finite = [p for p in row["psnr"] if np.isfinite(p)]
             shown = (
@@ -279,7 +302,7 @@ def print_tables(args: argparse.Namespace, report: dict[str, Any]) -> None:
             )
             skipped = [s for s in row["skipped"] if np.isfinite(s)]
             print(
-                f"| {engine} | {setting[1] or 'none'} | {setting[2] if setting[1] else '-'} | "
+                f"| {engine} | {setting[1] or 'none'} | {shown_threshold(setting)} | "
                 f"{f'{median(skipped):.0f}' if skipped else '-'} | {now:.3f} | {base / now:.2f}x | {shown} | "
                 f"{median(row['ssim']):.3f} | {100 * statistics.mean(row['ok']):.1f}% |"
             )
@@ -309,8 +332,11 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=1, help="processes for the quality phase")
     parser.add_argument("--layouts", nargs="*", default=["sp2", "cfg2"], choices=sorted(LAYOUTS))
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--thresholds-fb", type=float, nargs="+", default=[0.05, 0.1, 0.2])
-    parser.add_argument("--thresholds-mag", type=float, nargs="+", default=[0.03, 0.06, 0.12])
+    parser.add_argument("--thresholds-fb", type=float, nargs="*", default=[0.05, 0.1, 0.2])
+    parser.add_argument(
+        "--thresholds-mag", type=threshold_arg, nargs="+", default=[None], help="numbers, or default (by step count)"
+    )
+    parser.add_argument("--taylorseer", action="store_true", help="also taylorseer (distvideo's and diffusers')")
     parser.add_argument("--json", type=Path, help="write every figure here")
     parser.add_argument("--quality-shard", help=argparse.SUPPRESS)  # a phase-1 worker: these caption indices
     args = parser.parse_args()

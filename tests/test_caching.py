@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from distvideo import VideoGenerator
 from distvideo.cli.main import EXIT_BAD_INPUT, main
@@ -38,6 +39,7 @@ BASE = dict(num_frames=9, height=48, width=48, num_inference_steps=STEPS, guidan
 REQUESTS: dict[str, dict[str, Any]] = {
     "fb": dict(BASE, cache="first-block", cache_threshold=0.6),
     "mag": dict(BASE, cache="mag", cache_threshold=0.1),
+    "ts": dict(BASE, cache="taylorseer", cache_max_skip=2),  # computes 0, 3, 6; forecasts the others
 }
 PROMPT = "a red fox in the snow"
 
@@ -170,6 +172,7 @@ def test_torchrun_every_rank_skips_the_same_steps(
         (dict(cache="mag", cache_max_skip=0), "cache_max_skip=0"),
         (dict(cache="mag", num_inference_steps=5), "no MagCache ratios for 5 steps"),
         (dict(cache="first-block", num_inference_steps=4), "num_inference_steps=4 is a few-step schedule"),
+        (dict(cache="taylorseer", cache_threshold=0.1, num_inference_steps=8), "takes no threshold"),
     ],
 )
 def test_bad_options_are_refused_before_loading(model: Path, kwargs: dict[str, Any], needle: str) -> None:
@@ -217,3 +220,59 @@ def test_two_experts_reset_at_the_boundary_and_image_to_video_caches(tmp_path_fa
         cached = gen.generate(PROMPT, save_video=False, cache="first-block", cache_threshold=1e6, **kwargs)
     assert cached.cache["skipped_steps"] == [1, 2, 3, 4], cached.cache
     assert max_abs_diff(cached.frames, off.frames) > 0
+
+
+def test_mag_threshold_follows_the_step_count(model: Path) -> None:
+    """The documented rule (0.006 per step between 0.06 and 0.24): diffusers' 0.06 at the 8 calibrated steps, and
+    the thresholds docs/caching.md measured at 20 and 50 steps."""
+    from distvideo.models.cache_ratios import mag_threshold
+    from distvideo.request import GenerationRequest
+
+    resolved = probe_model(str(model)).resolve_request(GenerationRequest(prompt=PROMPT, cache="mag", **BASE))
+    assert resolved.cache_threshold == 0.06 and resolved.cache_max_skip == 3
+    assert [mag_threshold(steps) for steps in (5, 20, 30, 50, 100)] == pytest.approx([0.06, 0.12, 0.18, 0.24, 0.24])
+
+
+def test_taylorseer_forecasts_one_step_ahead_from_the_last_two_computed_steps() -> None:
+    from distvideo.pipelines.caching import CacheSession
+    from distvideo.pipelines.caching.session import CacheSettings
+    from distvideo.pipelines.caching.taylorseer import TaylorSeerCache
+
+    session = CacheSession(TaylorSeerCache(CacheSettings(threshold=0.0, warmup_steps=1, max_skip=2), []))
+    r0, r3 = torch.tensor([1.0, 2.0]), torch.tensor([4.0, -1.0])
+    for step, residual in ((0, r0), (3, r3)):
+        session.begin_step(step)
+        session.method.computed(session, 0, residual)
+    session.begin_step(4)  # one step ahead: the slope over the last gap
+    torch.testing.assert_close(session.method.replay(session, 0, r0), r3 + (r3 - r0) / 3, rtol=0, atol=0)
+    session.begin_step(5)  # two steps ahead: held at the one-step value
+    torch.testing.assert_close(session.method.replay(session, 0, r0), r3 + (r3 - r0) * (1 / 3), rtol=0, atol=0)
+    session.switch(1)
+    session.switch(2)  # an expert boundary: only the new transformer's steps count
+    session.begin_step(6)
+    session.method.computed(session, 0, r0)
+    session.begin_step(7)
+    assert torch.equal(session.method.replay(session, 0, r0), r0)  # one computed step: reused as it is
+
+
+def test_a_family_without_cache_points_is_refused_before_loading(model: Path) -> None:
+    import dataclasses
+
+    from distvideo.request import GenerationRequest
+
+    info = probe_model(str(model))
+    undeclared = dataclasses.replace(info, family=dataclasses.replace(info.family, cache_points=None))
+    with pytest.raises(ConfigError, match="declares no cache points") as exc:
+        undeclared.resolve_request(GenerationRequest(prompt=PROMPT, cache="first-block", **BASE))
+    assert exc.value.param == "cache"
+    undeclared.resolve_request(GenerationRequest(prompt=PROMPT, **BASE))  # uncached: served
+
+
+def test_cache_with_compile_is_refused_naming_the_option(model: Path) -> None:
+    """--compile leaves the step-cache hooks off (compiled blocks would trace the decisions): a cached request is
+    refused with a ConfigError (exit 2 at the CLI), and the engine serves the next request."""
+    with VideoGenerator.from_pretrained(str(model), device="cpu", executor="inline", compile=True) as gen:
+        assert "step-cache" not in gen.collective_rpc("applied_plans")[0]["transformer"]
+        with pytest.raises(ConfigError, match="not served with --compile") as exc:
+            gen.generate(PROMPT, save_video=False, **REQUESTS["fb"])
+    assert exc.value.param == "cache"

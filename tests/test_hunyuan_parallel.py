@@ -42,9 +42,12 @@ def _collectives(worker) -> dict[str, int]:
 @pytest.mark.parametrize(
     ("layout", "expected_plans"),
     [
-        (dict(cfg_parallel=True), ["cpu-kernels"]),
-        (dict(cfg_parallel=False, sp_size=2), ["ulysses", "text-projection-memo", "cpu-kernels"]),
-        (dict(cfg_parallel=False, sp_size=2, ring_size=2), ["usp", "text-projection-memo", "cpu-kernels"]),
+        (dict(cfg_parallel=True), ["cpu-kernels", "step-cache"]),
+        (dict(cfg_parallel=False, sp_size=2), ["ulysses", "text-projection-memo", "cpu-kernels", "step-cache"]),
+        (
+            dict(cfg_parallel=False, sp_size=2, ring_size=2),
+            ["usp", "text-projection-memo", "cpu-kernels", "step-cache"],
+        ),
     ],
     ids=["cfg2", "sp2", "ring2"],
 )

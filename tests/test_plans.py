@@ -4,6 +4,7 @@ a name applied once, and a failed apply rolled back completely; the worker lists
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 import pytest
 import torch
@@ -162,24 +163,35 @@ def test_apply_plans_returns_the_names_and_their_undo(components):
     assert {name: _state(module) for name, module in components.items()} == loaded
 
 
-def _remove_cpu_kernels(worker) -> dict[str, list[str]]:
-    remove_plan(worker.pipeline.transformer, "cpu-kernels")
-    return worker.applied_plans()
+def _remove_the_last_two(worker) -> list[Any]:
+    """The step-cache hooks removed (every block's forward its class's again), then the CPU kernels."""
+    transformer = worker.pipeline.transformer
+    remove_plan(transformer, "step-cache")
+    hooked = [index for index, block in enumerate(transformer.blocks) if "forward" in vars(block)]
+    without_cache = worker.applied_plans()
+    remove_plan(transformer, "cpu-kernels")
+    return [hooked, without_cache, worker.applied_plans()]
 
 
 def test_the_worker_lists_its_plans_inline(tiny_model):
     with VideoGenerator.from_pretrained(tiny_model, executor="inline") as gen:
         assert gen.collective_rpc("applied_plans") == [
-            {"transformer": ["text-padding", "cpu-kernels"], "vae": ["cpu-kernels"]}
+            {"transformer": ["text-padding", "cpu-kernels", "step-cache"], "vae": ["cpu-kernels"]}
         ]
-        assert gen.collective_rpc(_remove_cpu_kernels) == [{"transformer": ["text-padding"], "vae": ["cpu-kernels"]}]
+        assert gen.collective_rpc(_remove_the_last_two) == [
+            [
+                [],
+                {"transformer": ["text-padding", "cpu-kernels"], "vae": ["cpu-kernels"]},
+                {"transformer": ["text-padding"], "vae": ["cpu-kernels"]},
+            ]
+        ]
 
 
 @pytest.mark.slow
 def test_the_workers_list_their_plans_under_sequence_parallelism(tiny_model):
     with VideoGenerator.from_pretrained(tiny_model, executor="mp", num_gpus=2, sp_size=2, cfg_parallel=False) as gen:
         every_rank = {
-            "transformer": ["ulysses", "text-projection-memo", "text-padding", "cpu-kernels"],
+            "transformer": ["ulysses", "text-projection-memo", "text-padding", "cpu-kernels", "step-cache"],
             "vae": ["vae-band-decode", "cpu-kernels"],
         }
         assert gen.collective_rpc("applied_plans") == [every_rank, every_rank]

@@ -17,6 +17,7 @@ from distvideo.executors import Executor, create_executor, resolve_engine
 from distvideo.executors.base import SHUT_DOWN
 from distvideo.logging_utils import configure_logging
 from distvideo.media import check_video_output, write_video_or_keep_frames
+from distvideo.models.cache_ratios import check_cache_servable
 from distvideo.models.embedded import prompt_warning
 from distvideo.models.registry import ModelInfo
 from distvideo.outputs import GenerationResult
@@ -221,10 +222,13 @@ class VideoGenerator:
     def generate_request(
         self, request: GenerationRequest, on_progress: Callable[[int, int], None] | None = None
     ) -> GenerationResult:
+        from distvideo.models.plans import compiles_blocks  # torch's (the engine has imported it by now)
+
         start = time.perf_counter()
         executor = self.executor
         try:  # bad input fails here, before any work
             resolved, invalid = self.model_info.resolve_request(request), None
+            check_cache_servable(resolved, compiled=compiles_blocks(self.config, self.engine.layout.sp_size))
             if executor.is_output_rank and resolved.save_video:  # the writer's problems too, not after generating
                 assert resolved.width is not None and resolved.height is not None and resolved.fps is not None
                 check_video_output(

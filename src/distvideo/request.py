@@ -22,8 +22,8 @@ MAX_FPS = 240
 MAX_SIDE = 8192  # pixels per side
 MAX_FRAMES = 4097
 
-# Step caching (pipelines/caching.py): the methods a request may name, and the internal one `distvideo calibrate` runs
-CACHE_METHODS = ("none", "first-block", "mag")
+# Step caching (pipelines/caching/): the methods a request may name, and the internal one `distvideo calibrate` runs
+CACHE_METHODS = ("none", "first-block", "mag", "taylorseer")
 CACHE_CALIBRATE = "calibrate"
 # The noise schedule (docs/performance.md, "Few-step models"): "default" is the checkpoint's own scheduler; the others
 # are diffusers' flow-matching schedulers with the checkpoint's settings carried over (models/schedules.py)

@@ -170,6 +170,7 @@ class Worker:
     def load_model(self) -> None:
         """Load the components, apply every plan (the one place modules are changed), build the pipeline."""
         from distvideo.pipelines import PIPELINES
+        from distvideo.pipelines.caching import cache_plans
 
         model = self.model_info
         ringed = dataclasses.replace(self.config, ring_size=self.engine.layout.ring_size)
@@ -184,6 +185,7 @@ class Worker:
             *(self.parallel.plans(transformers) if self.parallel is not None else []),
             *speed_plans(self.config, model, sp_size=self.engine.layout.sp_size),
         ]
+        plans += cache_plans(model.family, compiled=any(plan.name == "compile" for plan in plans))
         if self.parallel is not None:  # last: FSDP wraps the blocks as the other plans left them
             plans += self.parallel.shard_plans(self.config.shard_weights or "none", components, transformers)
         self._undo_plans = apply_plans(components, plans)

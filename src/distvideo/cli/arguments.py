@@ -38,7 +38,7 @@ REQUEST_FLAGS: dict[str, dict[str, Any]] = {
     "output_path": {"help": "a .mp4 file, or a folder (default: outputs/)"},
     "request_timeout": {"help": "seconds; the request stops at the next denoising step after it", "parse": "seconds"},
     # step caching (docs/caching.md)
-    "cache": {"help": "step caching: none (default), first-block or mag", "choices": CACHE_METHODS},
+    "cache": {"help": "step caching: none (default), first-block, mag or taylorseer", "choices": CACHE_METHODS},
     "cache_threshold": {"help": "skip a step while the cache's change metric stays under this (default: per method)"},
     "cache_warmup_steps": {"help": "steps always computed first (default: 10%% first-block, 20%% mag)"},
     "cache_max_skip": {"help": "at most this many consecutive skipped steps (default: 3 for mag, no limit)"},

@@ -10,6 +10,29 @@ IMAGE_NONE, IMAGE_OPTIONAL, IMAGE_REQUIRED = "none", "optional", "required"
 
 
 @dataclass(frozen=True)
+class CachePoints:
+    """Where a family's transformer takes the step cache (pipelines/caching/): the attribute holding its blocks, and
+    whether each block also takes and returns the text stream (`text_stream`: a dual-stream block, called as
+    ``block(hidden_states, encoder_hidden_states, ...)`` and returning both). Only the video stream's residual is
+    cached and replayed: a skipped block hands the text stream on unchanged, which is exact because the transformer
+    reads nothing of the text stream after its last block."""
+
+    blocks: str
+    text_stream: bool = False
+
+    def video(self, out: Any) -> Any:
+        """The video stream of a block's output."""
+        return out[0] if self.text_stream else out
+
+    def passed_on(self, hidden_states: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """What a skipped block returns: `hidden_states`, with the block's text stream input beside it."""
+        if not self.text_stream:
+            return hidden_states
+        text = args[0] if args else kwargs["encoder_hidden_states"]
+        return hidden_states, text
+
+
+@dataclass(frozen=True)
 class ModelFamily:
     """One model family: which checkpoints it is (the `model_index.json` class and the traits read from it), which
     pipeline runs it, what it loads and which request defaults it documents.
@@ -30,7 +53,9 @@ class ModelFamily:
     image_encoder: bool = False
     compact_text: bool = True  # whether the text-padding plan (Wan's text-only cross-attention) applies
     size_from_image: bool = False  # an unset height and width follow the image's aspect-ratio bucket (HunyuanVideo)
-    step_cache: bool = True  # whether --cache serves it (its transformer's blocks declared in pipelines/caching.py)
+    #: where --cache wraps the transformer (None: the family's blocks are not declared, and --cache is refused before
+    #: loading); Wan's single-stream `blocks` by default
+    cache_points: CachePoints | None = CachePoints("blocks")
     #: the transformer's layers --quantize leaves in full precision (regular expressions searched in module names,
     #: as diffusers' layerwise casting reads them): Wan's patch and condition embeddings, norms, output projection
     full_precision: tuple[str, ...] = ("patch_embedding", "condition_embedder", "norm", "^proj_out$")

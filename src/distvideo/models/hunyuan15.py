@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from distvideo.errors import ConfigError
-from distvideo.models.family import IMAGE_REQUIRED, ModelFamily
+from distvideo.models.family import IMAGE_REQUIRED, CachePoints, ModelFamily
 
 # HunyuanVideo 1.5: diffusers' HunyuanVideo15Pipeline defaults (121 frames, 50 steps, the 16:9 bucket of the
 # transformer's target size: 480 x 848 for the 480p models' 640, 720 x 1280 for 960; probe_model reads it), 24 fps as
@@ -33,6 +33,8 @@ _DEFAULTS = {
 #: what --quantize leaves in full precision: the image, text (with its token refiner) and time embeddings, the norms
 #: with their modulation layers (diffusers' layerwise-casting declaration for the class), the output projection
 _FULL_PRECISION = ("x_embedder", "image_embedder", "context_embedder", "time_embed", "norm", "^proj_out$")
+#: the step cache's points: the dual-stream (MMDiT) blocks, whose text stream passes through a skipped step
+_CACHE_POINTS = CachePoints("transformer_blocks", text_stream=True)
 HUNYUAN15_T2V = ModelFamily(
     name="HunyuanVideo 1.5 T2V",
     class_names=("HunyuanVideo15Pipeline",),
@@ -42,6 +44,7 @@ HUNYUAN15_T2V = ModelFamily(
     description="HunyuanVideo 1.5 text-to-video (Qwen2.5-VL and ByT5 text, dual-stream transformer, 16x VAE)",
     compact_text=False,
     full_precision=_FULL_PRECISION,
+    cache_points=_CACHE_POINTS,
 )
 # Image-to-video: as diffusers' HunyuanVideo15ImageToVideoPipeline, the size is the bucket of the image's aspect ratio
 # at the transformer's target size (480 x 848 stands for it until the image is read); a request may set its own.
@@ -57,6 +60,7 @@ HUNYUAN15_I2V = ModelFamily(
     compact_text=False,
     size_from_image=True,
     full_precision=_FULL_PRECISION,
+    cache_points=_CACHE_POINTS,
 )
 
 

@@ -106,9 +106,8 @@ def speed_plans(config: EngineConfig, model: ModelInfo | None = None, *, sp_size
             plans += [TextPaddingPlan(component=name) for name in transformers]
     if config.cpu_kernels:
         plans += [CpuKernelsPlan("vae"), *(CpuKernelsPlan(name) for name in transformers)]
-    compiling = bool(config.compile)
-    if compiling and sp_size > 1:
-        compiling = False
+    compiling = compiles_blocks(config, sp_size)
+    if config.compile and not compiling:
         _log_once(
             f"--compile is off under sequence parallelism (sp_size={sp_size}): Ulysses' per-block hooks made the "
             "compiled blocks recompile until torch's limit of 8 graphs and then run eagerly"
@@ -123,6 +122,11 @@ def speed_plans(config: EngineConfig, model: ModelInfo | None = None, *, sp_size
             plans = [plan for plan in plans if not isinstance(plan, TextPaddingPlan)]
         plans += [CompilePlan(name) for name in transformers]
     return plans
+
+
+def compiles_blocks(config: EngineConfig, sp_size: int) -> bool:
+    """Whether the engine's transformer blocks are compiled: --compile, but not under sequence parallelism."""
+    return bool(config.compile) and sp_size == 1
 
 
 @functools.cache

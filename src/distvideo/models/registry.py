@@ -195,10 +195,11 @@ class ModelInfo:
             )
         schedule = self.schedule(filled)  # checks the schedule options against the checkpoint's scheduler
         filled = resolve_cache(filled, self.cache_ratios, schedule.key(), self.path)
-        if filled.cache not in (None, "none") and not self.family.step_cache:
+        if filled.cache not in (None, "none") and self.family.cache_points is None:
             raise ConfigError(
                 f"{n.subject('cache', filled.cache)}: {self.path.name} is {self.family.name}, whose blocks the step "
-                f"cache does not serve yet; drop {n.label('cache')} (or give {n.setting('cache', 'none')})",
+                f"cache does not serve yet (the family declares no cache points); drop {n.label('cache')} (or give "
+                f"{n.setting('cache', 'none')})",
                 param="cache",
             )
         if read_image and filled.image is not None:

@@ -80,7 +80,7 @@ class VideoCreate(BaseModel):
     negative_prompt: str | None = Field(None, max_length=20000)
     lora: LoraChoice | None = None
     # step caching, chosen per request (docs/caching.md); checked by the model's request resolution
-    cache: str | None = Field(None, max_length=32, description="step caching: none, first-block or mag")
+    cache: str | None = Field(None, max_length=32, description="step caching: none, first-block, mag or taylorseer")
     cache_threshold: float | None = Field(
         None, gt=0, allow_inf_nan=False, description="skip while the cache's metric stays under this"
     )
