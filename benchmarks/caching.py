@@ -1,9 +1,10 @@
 """Step caching on the trained demo model (docs/caching.md): denoising time against uncached, PSNR and SSIM of the
 frames against the uncached frames, and the caption pass rate (distvideo.testing.video_check, as
 scripts/demo_model_report.py judges the demo model), for each method at each threshold; in the same run diffusers'
-own FirstBlockCacheConfig and MagCacheConfig hooks on its WanPipeline with the same model, seeds and step counts
-(MagCache with the ratios `distvideo calibrate` stored beside the model); and the cache under sp2 and cfg2 (mp, two
-ranks) against the same layout uncached.
+own FirstBlockCacheConfig, MagCacheConfig and (`--taylorseer`) TaylorSeerCacheConfig hooks on its WanPipeline with
+the same model, seeds and step counts (MagCache with the ratios `distvideo calibrate` stored beside the model); and
+the cache under sp2 and cfg2 (mp, two ranks) against the same layout uncached. `--thresholds-mag default` is mag with
+no threshold given (its default for the step count).
 
     python benchmarks/caching.py --steps 20 50 --captions 168 --workers 2 --timed-captions 6 --repeats 3
     python benchmarks/caching.py --steps 20 --captions 6 --timed-captions 2 --repeats 1 --layouts   # reduced scope
@@ -14,7 +15,8 @@ Two phases, so that the quality figures cover every caption and the times come f
 2. Time, in one process after phase 1 (nothing else of this benchmark running): the first `--timed-captions`
    captions, `--repeats` rounds, each round running every setting once in turn, so that machine drift hits every
    setting alike; the denoising column is the median over those runs. Then the same for each `--layouts` entry on
-   the mp executor (distvideo's settings only), where every rank must report the inline run's skipped steps.
+   the mp executor (distvideo's settings only), where every rank's own list of skipped steps (collective_rpc of
+   execute_forward: each rank's report) must equal the inline run's.
 The model's request defaults (17 frames, 64 x 64, guidance 5), float32, one thread per rank. Prints one markdown
 table per step count and one for the layouts; `--json` keeps every figure.
 """

@@ -1,4 +1,4 @@
-"""Step caching (pipelines/caching.py): the skip decision is one value per step that every rank agrees on.
+"""Step caching (pipelines/caching/): the skip decision is one value per step that every rank agrees on.
 
 Cached inline runs are the reference: the mp executor and torchrun at cfg2, sp2 and cfg2 x sp2 skip the same steps
 on every rank and give frames within 2 of them; the cache off leaves frames byte-identical; `distvideo calibrate`

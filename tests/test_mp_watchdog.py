@@ -14,20 +14,20 @@ import time
 import pytest
 
 from distvideo import VideoGenerator
-from distvideo.executors import mp
+from distvideo.executors import tracker
 
 from processes import gone, wait_gone
 
 pytestmark = pytest.mark.slow
 
 REQUEST_TIMEOUT = 2.0  # the first step comes after 0.2 s on a loaded 2-core machine: far inside it
-STOP_GRACE_S = 1.0  # 30 s in the product; shortened here (a module constant the driver reads at each call)
+STOP_GRACE_S = 1.0  # 30 s in the product; shortened here (a module constant of executors/tracker.py, read at each call)
 GIVE_UP_S = 60.0  # past this the test kills the stopped worker itself: a missing watchdog fails, it does not hang
 
 
 def test_a_forward_stuck_in_a_worker_is_torn_down_with_a_timeout_error(monkeypatch):
-    monkeypatch.setattr(mp, "STOP_GRACE_S", STOP_GRACE_S)
-    limit = mp.STOP_GRACE_FACTOR * REQUEST_TIMEOUT + STOP_GRACE_S
+    monkeypatch.setattr(tracker, "STOP_GRACE_S", STOP_GRACE_S)
+    limit = tracker.STOP_GRACE_FACTOR * REQUEST_TIMEOUT + STOP_GRACE_S
     gen = VideoGenerator.from_pretrained(num_gpus=1, executor="mp")
     pid = gen.executor._procs[0].pid
     stopped: list[float] = []

@@ -1,8 +1,8 @@
 """`--shard-weights` (parallel/shard.py): FSDP2 over the ranks of a replica. Each rank holds a 1/N share of the
 sharded components' weights between steps, and the frames are the unsharded run's, bit for bit (the gathered weights
 are the unsharded ones). LoRA adapters merge into each rank's rows (lora/sharded.py `local_rows`): the same frames
-and gathered weights as the unsharded layout with the same adapters. What it does not combine with yet is refused
-before anything loads."""
+and gathered weights as the unsharded layout with the same adapters. A cached request skips the same steps and gives
+the unsharded cached frames, bit for bit. What it does not combine with yet is refused before anything loads."""
 
 from __future__ import annotations
 
@@ -28,6 +28,8 @@ from launchers import format_output
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 REQUEST = dict(num_frames=9, height=48, width=80, num_inference_steps=3, guidance_scale=5.0, seed=4, save_video=False)
+# step caching over FSDP-wrapped blocks: a threshold no change reaches skips every step after the first
+CACHED = dict(REQUEST, num_inference_steps=5, cache="first-block", cache_threshold=1e6)
 
 
 def resident(worker):
@@ -50,17 +52,21 @@ def gathered(worker):
 def run(checkpoint, layout, shard):
     with VideoGenerator.from_pretrained(str(checkpoint), executor="mp", shard_weights=shard, **layout) as gen:
         frames = gen.generate("a lighthouse in a storm", **REQUEST).frames
+        cached = gen.generate("a lighthouse in a storm", **CACHED)
         plans = gen.collective_rpc("applied_plans")
-        return frames, gen.collective_rpc(resident), plans, gen.collective_rpc(gathered)
+        return (frames, cached.frames, cached.cache), gen.collective_rpc(resident), plans, gen.collective_rpc(gathered)
 
 
 def both_runs(checkpoint, layout, shard) -> dict:
     """The layout unsharded, then with `shard`: what the test checks, in JSON's types but the frames."""
-    whole, whole_resident, _, unsharded = run(checkpoint, layout, "none")
-    frames, shares, plans, estimate = run(checkpoint, layout, shard)
+    (whole, whole_cached, whole_report), whole_resident, _, unsharded = run(checkpoint, layout, "none")
+    (frames, cached, report), shares, plans, estimate = run(checkpoint, layout, shard)
     return {
         "whole": whole,
         "frames": frames,
+        "whole_cached": whole_cached,
+        "cached": cached,
+        "cache_reports": [whole_report, report],
         "whole_resident": whole_resident,
         "unsharded": [list(pair) for pair in unsharded],
         "shares": shares,
@@ -78,7 +84,8 @@ def four_ranks_to(folder: Path) -> None:
     from distvideo.testing.checkpoints import build_test_checkpoint
 
     runs = both_runs(build_test_checkpoint(folder / "ckpt"), *FOUR_RANKS)
-    np.savez(folder / "frames.npz", whole=runs.pop("whole"), frames=runs.pop("frames"))
+    arrays = {name: runs.pop(name) for name in ("whole", "frames", "whole_cached", "cached")}
+    np.savez(folder / "frames.npz", **arrays)
     (folder / "report.json").write_text(json.dumps(runs))
 
 
@@ -95,7 +102,7 @@ def sharding_runs(request: pytest.FixtureRequest, layout: dict, shard: str) -> d
     folder, proc = FOUR_RANKS_RUNS.result()
     assert proc.returncode == 0, format_output(proc)
     with np.load(folder / "frames.npz") as saved:
-        return {**json.loads((folder / "report.json").read_text()), "whole": saved["whole"], "frames": saved["frames"]}
+        return {**json.loads((folder / "report.json").read_text()), **{name: saved[name] for name in saved.files}}
 
 
 @pytest.mark.slow
@@ -117,6 +124,10 @@ def test_sharded_weights_give_the_unsharded_frames_with_a_share_of_the_weights_p
     )
     frames, shares, plans, estimate = (sharding_runs[k] for k in ("frames", "shares", "plans", "estimate"))
     assert frames.dtype == np.uint8 and np.array_equal(frames, whole), "sharding changed the frames"
+    # step caching over the sharded blocks: the same skips and the unsharded cached frames, bit for bit
+    unsharded_report, sharded_report = sharding_runs["cache_reports"]
+    assert sharded_report == unsharded_report and sharded_report["skipped_steps"] == [1, 2, 3, 4], sharding_runs
+    assert np.array_equal(sharding_runs["cached"], sharding_runs["whole_cached"]), "sharding changed cached frames"
     ranks = layout["num_gpus"]
     for name in sharded:
         full = whole_resident[0][name]

@@ -22,7 +22,7 @@ class WorkerOutput:
     frames: np.ndarray | None
     timings: dict[str, float] = field(default_factory=dict)
     peak_memory_mb: float = 0.0
-    cache: dict[str, Any] | None = None  # the step cache's report (pipelines/caching.py); None when off
+    cache: dict[str, Any] | None = None  # the step cache's report (pipelines/caching/); None when off
     # this rank's transformers' and text encoders' weights: {component: {"mode", "quantized_modules", "bytes"}}
     weights: dict[str, dict[str, Any]] = field(default_factory=dict)
 

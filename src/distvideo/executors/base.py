@@ -156,6 +156,18 @@ class CallOptions:
 PLAIN = CallOptions()
 
 
+@dataclass(frozen=True)
+class Call:
+    """One `collective_rpc`, its arguments checked (Executor.collective_rpc)."""
+
+    method: str | Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    timeout: float | None
+    unique_reply_rank: int | None
+    options: CallOptions
+
+
 def call_hooks(
     kwargs: dict[str, Any] | None, emit: Callable[[Any], None] | None, cancelled: Callable[[], bool] | None
 ) -> dict[str, Any]:
@@ -191,7 +203,8 @@ def run_guarded(rank: int, fn: Callable[[], Any]) -> RankStatus:
 
 class Executor(abc.ABC):
     """How ranks exist and how a call reaches all of them. A subclass starts its ranks in `__init__` (calling
-    `super().__init__()` first) and implements `collective_rpc` and `shutdown`; the rest is written here."""
+    `super().__init__()` first) and implements `_dispatch` (how `collective_rpc` reaches its ranks) and `shutdown`;
+    the rest is written here."""
 
     world_size: int = 1
     output_rank: int = 0
@@ -205,7 +218,6 @@ class Executor(abc.ABC):
     def is_output_rank(self) -> bool:
         """Whether this process holds the output rank's results (frames, the written video)."""
 
-    @abc.abstractmethod
     def collective_rpc(
         self,
         method: str | Callable[..., Any],
@@ -218,7 +230,16 @@ class Executor(abc.ABC):
     ) -> Any:
         """Run `method` on every rank's worker; one RankFailure if any rank failed. Returns every rank's result in
         rank order, or with `unique_reply_rank=r` rank r's result alone (the other ranks' results are not sent; under
-        a launcher, where every process is one rank, each process returns its own rank's result)."""
+        a launcher, where every process is one rank, each process returns its own rank's result). `timeout`: seconds
+        the driver waits before the ranks count as stuck (torn down); None waits as long as the call takes."""
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"collective_rpc: timeout={timeout} must be a positive number of seconds, or None")
+        check_reply_rank(self.world_size, unique_reply_rank)
+        return self._dispatch(Call(method, tuple(args), dict(kwargs or {}), timeout, unique_reply_rank, options))
+
+    @abc.abstractmethod
+    def _dispatch(self, call: Call) -> Any:
+        """`collective_rpc` once its arguments are checked: what this executor does to reach its ranks."""
 
     @abc.abstractmethod
     def shutdown(self) -> None:

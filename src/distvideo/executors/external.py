@@ -38,13 +38,11 @@ from distvideo.config import EngineConfig
 from distvideo.engine import ResolvedEngine
 from distvideo.errors import CollectiveError, ConfigError, DivergentCallError, ProcessGroupBrokenError
 from distvideo.executors.base import (
-    PLAIN,
     SETTLE_S,
     SHUT_DOWN,
-    CallOptions,
+    Call,
     Executor,
     RankStatus,
-    check_reply_rank,
     collective_error,
     local_hooks,
     method_name,
@@ -109,29 +107,19 @@ class ExternalExecutor(Executor):
         return self.worker
 
     # -- calls -----------------------------------------------------------------------------------
-    def collective_rpc(
-        self,
-        method: str | Callable[..., Any],
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-        timeout: float | None = None,
-        unique_reply_rank: int | None = None,
-        *,
-        options: CallOptions = PLAIN,
-    ) -> Any:
-        if timeout is not None:
+    def _dispatch(self, call: Call) -> Any:
+        if call.timeout is not None:
             raise NotImplementedError(
                 "collective_rpc(timeout=...) is not available under an external launcher: every rank runs the "
                 "call itself. Use dist_timeout (seconds, applied to every process group) and the launcher's "
                 "kill-on-failure option (torchrun does it by default, srun -K / --kill-on-bad-exit, mpirun by "
                 "default) to bound a stuck call."
             )
-        check_reply_rank(self.world_size, unique_reply_rank)
-        worker = self._live_worker()
+        worker, options, method = self._live_worker(), call.options, call.method
         what = options.label or f"collective_rpc({method_name(method)!r})"
-        call_kwargs = local_hooks(kwargs, options)
-        status = self._run_local(what, lambda: worker.execute_method(method, *args, **call_kwargs))
-        if unique_reply_rank is not None:  # only statuses travel: every process keeps its own rank's result
+        call_kwargs = local_hooks(call.kwargs, options)
+        status = self._run_local(what, lambda: worker.execute_method(method, *call.args, **call_kwargs))
+        if call.unique_reply_rank is not None:  # only statuses travel: every process keeps its own rank's result
             self._exchange(what, method, dataclasses.replace(status, result=None), settle=options.lockstep)
             return status.result
         statuses = self._exchange(what, method, status, settle=options.lockstep)

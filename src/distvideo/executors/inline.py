@@ -6,16 +6,13 @@ this process). `timeout` and `self_limit` are not enforced: nothing else could r
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from distvideo.engine import ResolvedEngine
 from distvideo.executors.base import (
-    PLAIN,
     SHUT_DOWN,
-    CallOptions,
+    Call,
     Executor,
-    check_reply_rank,
     collective_error,
     local_hooks,
     run_guarded,
@@ -40,25 +37,15 @@ class InlineExecutor(Executor):
     def is_output_rank(self) -> bool:
         return True
 
-    def collective_rpc(
-        self,
-        method: str | Callable[..., Any],
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-        timeout: float | None = None,
-        unique_reply_rank: int | None = None,
-        *,
-        options: CallOptions = PLAIN,
-    ) -> Any:
-        check_reply_rank(self.world_size, unique_reply_rank)
+    def _dispatch(self, call: Call) -> Any:
         if self.worker is None:
             raise RuntimeError(SHUT_DOWN)
-        worker, call_kwargs = self.worker, local_hooks(kwargs, options)
-        status = run_guarded(0, lambda: worker.execute_method(method, *args, **call_kwargs))
-        error = collective_error(method, [status])
+        worker, call_kwargs = self.worker, local_hooks(call.kwargs, call.options)
+        status = run_guarded(0, lambda: worker.execute_method(call.method, *call.args, **call_kwargs))
+        error = collective_error(call.method, [status])
         if error is not None:
             raise error from status.exception
-        return [status.result] if unique_reply_rank is None else status.result
+        return [status.result] if call.unique_reply_rank is None else status.result
 
     def shutdown(self) -> None:
         if self.worker is not None:

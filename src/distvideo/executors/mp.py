@@ -11,7 +11,7 @@ raises the WorkerDiedError). Arrays and tensors in answers and events come back 
 The call options (executors/base.py): events travel as notes before the answer; `stop` is forwarded to the workers
 through the control block (a shared word they read between steps); `lockstep` settles for SETTLE_S after a rank failed
 alone, then tears down; `self_limit` makes a call unanswered STOP_GRACE_FACTOR x self_limit + STOP_GRACE_S after it
-began stuck, handled as a timeout. With `unique_reply_rank=r` only rank r emits and sends its result.
+began stuck, handled as a timeout (the call's answers, its deadline and settling are tracker.py's, shared with Ray). With `unique_reply_rank=r` only rank r emits and sends its result.
 
 The ranks meet privately: their rendezvous is a file store in a directory only this user can open (no TCP store),
 and gloo binds to the loopback interface.
@@ -29,9 +29,7 @@ import logging
 import math
 import pickle
 import threading
-import time
 import weakref
-from collections.abc import Callable
 from multiprocessing.connection import wait
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any, NoReturn
@@ -39,18 +37,10 @@ from typing import Any, NoReturn
 import cloudpickle
 
 from distvideo.engine import ResolvedEngine
-from distvideo.errors import RankFailure, WorkerDiedError
+from distvideo.errors import WorkerDiedError
 from distvideo.executors.base import (
-    PLAIN,
-    SETTLE_S,
     SHUT_DOWN,
-    CallOptions,
-    Executor,
-    RankStatus,
-    check_reply_rank,
-    collective_error,
-    method_name,
-    must_settle,
+    Call,
 )
 from distvideo.executors.mp_procs import WorkerProcesses
 from distvideo.executors.mp_wire import (
@@ -66,16 +56,12 @@ from distvideo.executors.mp_wire import (
     dumps,
     exit_hint,
     loads_shared,
-    remote_traceback,
     segment_buffer,
 )
+from distvideo.executors.tracker import CallTracker, RemoteRanksExecutor, call_timeout
 
 logger = logging.getLogger(__name__)
 
-#: A call with a self_limit (a request's request_timeout) stops at its next step past it by itself; one that has not
-#: answered STOP_GRACE_FACTOR x self_limit + STOP_GRACE_S after it started is stuck (a long decode, a hung rank).
-STOP_GRACE_FACTOR = 2.0
-STOP_GRACE_S = 30.0
 MONITOR_JOIN_S = 5.0  # shutdown: how long the monitor thread gets to see the workers end and leave
 
 
@@ -86,8 +72,10 @@ IDLE = "between calls"
 # --- the driver ---------------------------------------------------------------------------------
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(RemoteRanksExecutor):
     """`num_gpus` spawned worker processes, one rank each; this process (the driver) holds the output."""
+
+    kind = "mp"
 
     def __init__(self, engine: ResolvedEngine):
         super().__init__()
@@ -99,9 +87,6 @@ class MultiprocExecutor(Executor):
         self._next_id = STARTUP_ID
         self._answered = [STARTUP_ID] * n  # per rank, the last call id it answered (calls run in order)
         self._segments: dict[int, SharedMemory] = {}  # call id -> payload segment not yet read by every rank
-        self._dead: str | None = None  # why the workers are gone, once they are
-        self._died_idle: WorkerDiedError | None = None  # a death the monitor saw: what the next call raises
-        self._closed = False
         _LIVE.add(self)
         try:
             self._workers.spawn()
@@ -120,50 +105,18 @@ class MultiprocExecutor(Executor):
         return True
 
     # -- calls -----------------------------------------------------------------------------------
-    def collective_rpc(
-        self,
-        method: str | Callable[..., Any],
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-        timeout: float | None = None,
-        unique_reply_rank: int | None = None,
-        *,
-        options: CallOptions = PLAIN,
-    ) -> Any:
-        if timeout is not None and not timeout > 0:
-            raise ValueError(f"collective_rpc: timeout={timeout} must be a positive number of seconds, or None")
-        check_reply_rank(self.world_size, unique_reply_rank)
-        call = WireCall(
+    def _dispatch(self, call: Call) -> Any:
+        method, options = call.method, call.options
+        wire = WireCall(
             method,
-            tuple(args),
-            dict(kwargs or {}),
+            call.args,
+            call.kwargs,
             events=options.on_event is not None,
             stoppable=options.stop is not None,
-            unique_reply_rank=unique_reply_rank,
+            unique_reply_rank=call.unique_reply_rank,
         )
-        payload = cloudpickle.dumps(call, protocol=pickle.HIGHEST_PROTOCOL) if callable(method) else dumps(call)
-        if options.self_limit is not None:
-            stuck = STOP_GRACE_FACTOR * options.self_limit + STOP_GRACE_S
-            timeout = stuck if timeout is None else min(timeout, stuck)
-        statuses = self._call(payload, method, timeout, options)
-        if unique_reply_rank is not None:
-            return statuses[unique_reply_rank].result
-        return [s.result for s in statuses]
-
-    def check_health(self) -> None:
-        """Raise what the next call would raise once the workers are gone; reads state only, never waits on a call
-        in flight (a death during a call is that call's to report)."""
-        if self._closed:
-            raise RuntimeError(SHUT_DOWN)
-        died_idle = self._died_idle
-        if died_idle is not None:
-            raise WorkerDiedError(str(died_idle))
-        if self._dead is not None:
-            raise RuntimeError(self._dead_text())
-
-    def _call(
-        self, payload: bytes, method: str | Callable[..., Any], timeout: float | None, options: CallOptions
-    ) -> list[RankStatus]:
+        payload = cloudpickle.dumps(wire, protocol=pickle.HIGHEST_PROTOCOL) if callable(method) else dumps(wire)
+        tracker = CallTracker(method, self.world_size, call_timeout(call.timeout, options), options)
         with self._lock:
             self._check_usable()
             self._next_id += 1
@@ -172,18 +125,15 @@ class MultiprocExecutor(Executor):
                 options.stop.on_set(lambda: self._cancel(call_id))
             try:
                 self._send(call_id, payload)
-                statuses = self._gather(call_id, method, timeout, options)
+                self._gather(call_id, tracker)
             except KeyboardInterrupt:
-                self._dead = f"interrupted (KeyboardInterrupt) during collective_rpc({method_name(method)!r})"
+                self._dead = f"interrupted (KeyboardInterrupt) during {tracker.what}"
                 logger.info("interrupted: tearing the %d workers down", self.world_size)
                 self._stop_workers(graceful=False)
                 raise
             finally:
                 self._free_segments()
-        error = collective_error(method, statuses)
-        if error is not None:
-            raise error from remote_traceback(s for s in statuses if not s.ok)
-        return statuses
+        return tracker.result(call.unique_reply_rank)
 
     def _cancel(self, call_id: int) -> None:
         """The call's stop token was set: tell the workers (a call that already ended is not stopped again)."""
@@ -203,9 +153,6 @@ class MultiprocExecutor(Executor):
             if proc.exitcode is not None:  # died just now: the monitor waits for this lock
                 self._worker_died(rank, IDLE)
 
-    def _dead_text(self) -> str:
-        return f"the mp executor is dead: {self._dead}. Create a new VideoGenerator (from_pretrained) to continue."
-
     def _send(self, call_id: int, payload: bytes) -> None:
         if len(payload) > INLINE_PAYLOAD_MAX:
             segment = SharedMemory(create=True, size=len(payload))
@@ -220,32 +167,21 @@ class MultiprocExecutor(Executor):
             except OSError:  # the worker is gone; its sentinel tells how
                 self._worker_died(rank, f"call {call_id}")
 
-    def _gather(
-        self, call_id: int, method: str | Callable[..., Any], timeout: float | None, options: CallOptions
-    ) -> list[RankStatus]:
-        """Every rank's status of call `call_id` (notes go to `options.on_event` as they arrive). A lockstep call:
-        once a rank has failed alone (`must_settle`), the others get SETTLE_S to answer; then they are taken to be
-        blocked in a collective with it, and every worker is torn down (see `_blocked_after_failure`). Past `timeout`
-        the ranks are stuck in the call: nothing can interrupt it, so every worker is torn down rather than leave the
-        next call queued behind it."""
-        statuses: list[RankStatus | None] = [None] * self.world_size
-        pending = set(range(self.world_size))
-        deadline = None if timeout is None else time.monotonic() + timeout
-        settle_end: float | None = None
-        what = f"collective_rpc({method_name(method)!r})"
-        while pending:
-            now = time.monotonic()
-            if settle_end is not None and now >= settle_end:
-                self._blocked_after_failure(method, [s for s in statuses if s is not None], pending)
-            remaining = None if deadline is None else deadline - now
-            if remaining is not None and remaining <= 0:
-                assert timeout is not None
-                self._timed_out(what, timeout, pending)
-            if settle_end is not None:
-                remaining = settle_end - now if remaining is None else min(remaining, settle_end - now)
+    def _gather(self, call_id: int, tracker: CallTracker) -> None:
+        """Every rank's answer to call `call_id` into `tracker` (notes go to the call's `on_event` as they arrive).
+        A call the tracker finds overdue (a lockstep failure past its settling time, or past the timeout: the ranks
+        are stuck inside it, and nothing can interrupt them) tears every worker down rather than leave the next call
+        queued behind it."""
+        on_event = tracker.options.on_event
+        while tracker.pending:
+            overdue = tracker.overdue()
+            if overdue is not None:
+                self._dead = overdue.dead
+                logger.error("%s: tearing the %d workers down", overdue.dead, self.world_size)
+                self._stop_workers(graceful=False)
+                raise overdue.error from overdue.cause
             # like multiprocessing.connection.wait on pipes and sentinels, without a new selector per call
-            wait_s = WAIT_SLICE_S if remaining is None else min(remaining, WAIT_SLICE_S)
-            events = self._workers.poller.poll(math.ceil(wait_s * 1000))
+            events = self._workers.poller.poll(math.ceil(tracker.wait_s(WAIT_SLICE_S) * 1000))
             died = []
             for fd, _ in events:  # answers first: a worker may answer and then exit
                 is_pipe, rank = self._workers.fd_owner[fd]
@@ -257,50 +193,14 @@ class MultiprocExecutor(Executor):
                     died.append(rank)
                     continue
                 if isinstance(status, Note):
-                    if answer_id == call_id and options.on_event is not None:
-                        options.on_event(status.value)
+                    if answer_id == call_id and on_event is not None:
+                        on_event(status.value)
                     continue
                 self._answered[rank] = answer_id
                 if answer_id == call_id:  # else the late answer to a timed-out call
-                    statuses[rank] = status
-                    pending.discard(rank)
-                    if options.lockstep and must_settle(status) and settle_end is None:
-                        settle_end = time.monotonic() + SETTLE_S
+                    tracker.answer(rank, status)
             if died:
-                self._worker_died(min(died), what)
-        return [s for s in statuses if s is not None]
-
-    def _timed_out(self, what: str, timeout: float, pending: set[int]) -> NoReturn:
-        ranks = ", ".join(f"rank {r}" for r in sorted(pending))
-        self._dead = f"{what} timed out after {timeout:g} s (no answer from {ranks})"
-        logger.error("%s: tearing the %d workers down", self._dead, self.world_size)
-        self._stop_workers(graceful=False)
-        raise TimeoutError(
-            f"{what} timed out after {timeout:g} s: no answer from {ranks}. A call cannot be interrupted "
-            "inside a worker, so every worker was torn down (a later call would wait behind this one); "
-            "create a new VideoGenerator to continue."
-        )
-
-    def _blocked_after_failure(
-        self, method: str | Callable[..., Any], answered: list[RankStatus], pending: set[int]
-    ) -> NoReturn:
-        """Some ranks failed a lockstep call and the others did not answer within the settling time: they wait in a
-        collective that will never complete. Tear every worker down (the group cannot be trusted any more) and raise
-        the failed ranks' error, saying which ranks were left blocked."""
-        error = collective_error(method, answered)
-        assert error is not None
-        blocked = ", ".join(str(r) for r in sorted(pending))
-        failures: dict[int, tuple[str, str]] = getattr(error, "failures", {})
-        failed = ", ".join(str(r) for r in sorted(failures))
-        self._dead = f"rank(s) {failed} failed while rank(s) {blocked} waited in a collective with them"
-        logger.error("%s for %.0f s: tearing the %d workers down", self._dead, SETTLE_S, self.world_size)
-        self._stop_workers(graceful=False)
-        raise RankFailure(
-            f"{error}\nrank(s) {blocked} were still inside the call {SETTLE_S:.0f} s later, blocked in "
-            "a collective the failed rank(s) will never join; every worker was torn down and this VideoGenerator can "
-            "no longer be used: create a new one.",
-            failures,
-        ) from remote_traceback(s for s in answered if not s.ok)
+                self._worker_died(min(died), tracker.what)
 
     def _worker_died(self, rank: int, during: str) -> NoReturn:
         """Record why the executor is dead, tear every worker down and raise."""

@@ -20,41 +20,35 @@ import logging
 import shutil
 import tempfile
 import threading
-import time
-from collections.abc import Callable
 from typing import Any, NoReturn
 
 from distvideo.engine import ResolvedEngine
 from distvideo.errors import RankFailure, WorkerDiedError
 from distvideo.executors.base import (
     PLAIN,
-    SETTLE_S,
-    SHUT_DOWN,
+    Call,
     CallOptions,
-    Executor,
     RankStatus,
-    check_reply_rank,
-    collective_error,
-    method_name,
-    must_settle,
 )
 from distvideo.executors.mp_wire import remote_traceback
 from distvideo.executors.ray_placement import bundles_for, check_resources, connect, rank_order, rendezvous_kind
 from distvideo.executors.ray_rank import CallControl, RankActor
 from distvideo.executors.store import StoreAddress
+from distvideo.executors.tracker import CallTracker, RemoteRanksExecutor, call_timeout
 
 logger = logging.getLogger(__name__)
 
 PLACEMENT_TIMEOUT_S = 60.0  # the cluster has the resources but others hold them: give up after this
 WAIT_SLICE_S = 0.2  # one ray.wait: events are drained and Ctrl-C is seen at least this often
 STARTUP_TIMEOUT_S = 900.0  # loading the model on every rank
-STOP_GRACE_FACTOR, STOP_GRACE_S = 2.0, 30.0  # as mp: a self-limited call unanswered this long after is stuck
 MONITOR_S = 1.0  # while idle, the actors are asked this often whether they are alive
 PROBE_TIMEOUT_S = 5.0  # an idle actor that does not answer a probe within this is slow, not dead: asked again later
 
 
-class RayExecutor(Executor):
+class RayExecutor(RemoteRanksExecutor):
     """`num_gpus` Ray actors, one rank each; this process (the driver) holds the output."""
+
+    kind = "ray"
 
     def __init__(self, engine: ResolvedEngine):
         super().__init__()
@@ -66,9 +60,6 @@ class RayExecutor(Executor):
         self._placement: Any = None
         self._control: Any = None
         self._next_id = 0
-        self._dead: str | None = None
-        self._died_idle: WorkerDiedError | None = None  # a death the monitor saw: what the next call raises
-        self._closed = False
         self._rendezvous_dir: str | None = None  # the file store's private directory, when the ranks use one
         self._master: tuple[str, int] | None = None  # rank 0's TCPStore, when the ranks meet through env://
         self._lock = threading.Lock()  # held by a call, and by the monitor while it probes the actors
@@ -139,8 +130,9 @@ class RayExecutor(Executor):
             )
             for rank, actor in enumerate(self._actors)
         ]
-        statuses = self._gather(starts, "start-up", STARTUP_TIMEOUT_S, PLAIN, 0)
-        failed = [s for s in statuses if not s.ok]
+        tracker = CallTracker("start", self.world_size, STARTUP_TIMEOUT_S, PLAIN, unit="actor", label="start-up")
+        self._gather(starts, tracker, 0)
+        failed = [tracker.statuses[r] for r in range(self.world_size) if not tracker.statuses[r].ok]
         if failed:
             lines = [f"the ray executor could not start: {len(failed)} of {self.world_size} rank(s) failed:"]
             lines += [f"  rank {s.rank}: {s.error_type}: {s.error_message}" for s in failed]
@@ -160,35 +152,14 @@ class RayExecutor(Executor):
         return StoreAddress(*self._master)
 
     # -- calls -----------------------------------------------------------------------------------
-    def collective_rpc(
-        self,
-        method: str | Callable[..., Any],
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-        timeout: float | None = None,
-        unique_reply_rank: int | None = None,
-        *,
-        options: CallOptions = PLAIN,
-    ) -> Any:
-        if timeout is not None and not timeout > 0:
-            raise ValueError(f"collective_rpc: timeout={timeout} must be a positive number of seconds, or None")
-        check_reply_rank(self.world_size, unique_reply_rank)
+    def _dispatch(self, call: Call) -> Any:
         with self._lock:
             self._check_usable()
-            return self._call(method, args, kwargs, timeout, unique_reply_rank, options)
+            return self._call(call)
 
-    def _call(
-        self,
-        method: str | Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any] | None,
-        timeout: float | None,
-        unique_reply_rank: int | None,
-        options: CallOptions,
-    ) -> Any:
-        if options.self_limit is not None:
-            stuck = STOP_GRACE_FACTOR * options.self_limit + STOP_GRACE_S
-            timeout = stuck if timeout is None else min(timeout, stuck)
+    def _call(self, call: Call) -> Any:
+        method, options = call.method, call.options
+        tracker = CallTracker(method, self.world_size, call_timeout(call.timeout, options), options, unit="actor")
         self._next_id += 1
         call_id = self._next_id
         control = self._control if (options.on_event is not None or options.stop is not None) else None
@@ -198,41 +169,26 @@ class RayExecutor(Executor):
             actor.call.remote(
                 call_id,
                 method,
-                tuple(args),
-                dict(kwargs or {}),
+                call.args,
+                call.kwargs,
                 control,
                 options.on_event is not None,
                 options.stop is not None,
-                unique_reply_rank in (None, rank),
+                call.unique_reply_rank in (None, rank),
             )
             for rank, actor in enumerate(self._actors)
         ]
         try:
-            statuses = self._gather(refs, f"collective_rpc({method_name(method)!r})", timeout, options, call_id)
+            self._gather(refs, tracker, call_id)
         except KeyboardInterrupt:
-            self._dead = f"interrupted (KeyboardInterrupt) during collective_rpc({method_name(method)!r})"
+            self._dead = f"interrupted (KeyboardInterrupt) during {tracker.what}"
             self._release()
             raise
-        error = collective_error(method, statuses)
-        if error is not None:
-            raise error from remote_traceback(s for s in statuses if not s.ok)
-        if unique_reply_rank is not None:
-            return statuses[unique_reply_rank].result
-        return [s.result for s in statuses]
+        return tracker.result(call.unique_reply_rank)
 
     def _cancel(self, call_id: int) -> None:
         if self._control is not None and self._dead is None:
             self._control.cancel.remote(call_id)
-
-    def check_health(self) -> None:
-        """Raise what the next call would raise once the actors are gone (reads state only, never waits on a call)."""
-        if self._closed:
-            raise RuntimeError(SHUT_DOWN)
-        died_idle = self._died_idle
-        if died_idle is not None:
-            raise WorkerDiedError(str(died_idle))
-        if self._dead is not None:
-            raise RuntimeError(f"the ray executor is dead: {self._dead}. Create a new VideoGenerator to continue.")
 
     def _check_usable(self) -> None:
         died_idle, self._died_idle = self._died_idle, None
@@ -284,38 +240,32 @@ class RayExecutor(Executor):
         logger.error("%s", error)
         self._release(disconnect=False)  # ray.shutdown belongs to the thread that calls shutdown()
 
-    def _gather(
-        self, refs: list[Any], what: str, timeout: float | None, options: CallOptions, call_id: int
-    ) -> list[RankStatus]:
-        """Every rank's status, in rank order; events drained to `options.on_event` as the ranks emit them."""
+    def _gather(self, refs: list[Any], tracker: CallTracker, call_id: int) -> None:
+        """Every rank's status into `tracker`; events drained to the call's `on_event` as the ranks emit them. An
+        overdue call (the tracker's) kills every actor and raises."""
         import ray
 
         rank_of = {ref: rank for rank, ref in enumerate(refs)}
-        statuses: dict[int, RankStatus] = {}
         pending = list(refs)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        settle_end: float | None = None
+        options = tracker.options
         while pending:
-            now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                assert timeout is not None
-                self._stuck(what, f"timed out after {timeout:g} s", [rank_of[r] for r in pending], TimeoutError)
-            if settle_end is not None and now >= settle_end:
-                self._blocked(what, list(statuses.values()), [rank_of[r] for r in pending])
-            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=WAIT_SLICE_S)
+            overdue = tracker.overdue()
+            if overdue is not None:
+                self._dead = overdue.dead
+                self._release()
+                raise overdue.error from overdue.cause
+            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=tracker.wait_s(WAIT_SLICE_S))
             for ref in ready:
                 rank = rank_of[ref]
                 try:
-                    statuses[rank] = ray.get(ref)
+                    status = ray.get(ref)
                 except ray.exceptions.RayActorError as exc:
-                    self._died(rank, what, exc)
+                    self._died(rank, tracker.what, exc)
                 except ray.exceptions.RayError as exc:  # Ray could not run the call there (e.g. unpickling it)
-                    statuses[rank] = RankStatus.from_exception(rank, getattr(exc, "cause", None) or exc)
-                if options.lockstep and must_settle(statuses[rank]) and settle_end is None:
-                    settle_end = time.monotonic() + SETTLE_S
+                    status = RankStatus.from_exception(rank, getattr(exc, "cause", None) or exc)
+                tracker.answer(rank, status)
             self._drain(options, call_id)
         self._drain(options, call_id)
-        return [statuses[r] for r in range(len(refs))]
 
     def _drain(self, options: CallOptions, call_id: int) -> None:
         if options.on_event is None or self._control is None:
@@ -334,29 +284,6 @@ class RayExecutor(Executor):
             f"{self._dead}; the other ranks' actors were killed and this VideoGenerator can no longer be used: "
             f"create a new one. Ray said: {str(exc).splitlines()[0] if str(exc) else cause}"
         ) from exc
-
-    def _stuck(self, what: str, why: str, pending: list[int], error: type[Exception]) -> NoReturn:
-        ranks = ", ".join(f"rank {r}" for r in pending)
-        self._dead = f"{what} {why} (no answer from {ranks})"
-        self._release()
-        raise error(
-            f"{what} {why}: no answer from {ranks}. A call cannot be interrupted inside an actor, so every rank's "
-            "actor was killed; create a new VideoGenerator to continue."
-        )
-
-    def _blocked(self, what: str, answered: list[RankStatus], pending: list[int]) -> NoReturn:
-        error = collective_error(what, answered)
-        assert error is not None
-        failures: dict[int, tuple[str, str]] = getattr(error, "failures", {})
-        blocked = ", ".join(str(r) for r in pending)
-        self._dead = f"rank(s) {', '.join(map(str, failures))} failed while rank(s) {blocked} waited for them"
-        self._release()
-        raise RankFailure(
-            f"{error}\nrank(s) {blocked} were still inside the call {SETTLE_S:.0f} s later, blocked in a collective "
-            "the failed rank(s) will never join; every actor was killed and this VideoGenerator can no longer be "
-            "used: create a new one.",
-            failures,
-        ) from remote_traceback(s for s in answered if not s.ok)
 
     # -- shutdown --------------------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -49,7 +49,7 @@ class WanBatch:
     video: torch.Tensor | None = None
     frames: np.ndarray | None = None
     timings: dict[str, float] = field(default_factory=dict)
-    cache: dict[str, Any] | None = None  # the step cache's report (pipelines/caching.py); None when off
+    cache: dict[str, Any] | None = None  # the step cache's report (pipelines/caching/); None when off
 
 
 def record_per_step_denoising(timings: dict[str, float], steps: int, *, excluded_s: float = 0.0) -> None:
