@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from distvideo import VideoGenerator
 from distvideo.bench.baseline import DiffusersSpec, _DiffusersTimer
-from distvideo.models.cache_ratios import mag_threshold, ratios_key, scheduler_name
+from distvideo.models.cache_ratios import METHOD_DEFAULTS, ratios_key, scheduler_name
 from distvideo.models.embedded import DEMO_MODEL_DIR
 from distvideo.models.registry import probe_model
 from distvideo.request import GenerationRequest
@@ -77,23 +77,30 @@ def ssim(a: np.ndarray, b: np.ndarray, window: int = 7) -> float:
 def diffusers_cache(
     timer: _DiffusersTimer, method: str | None, threshold: float | None, steps: int, ratios: list[float]
 ) -> None:
-    """diffusers' own hook for the method, with distvideo's defaults where the setting leaves them (mag's threshold
-    for the step count; taylorseer's warmup of 10% of the steps and 4 forecast steps per computed one, diffusers'
-    cache_interval 5, its factors in float32 as the model runs)."""
+    """diffusers' own hook for the method, with distvideo's defaults where the setting leaves them (METHOD_DEFAULTS:
+    the threshold for the step count; taylorseer's warmup and its forecast steps per computed one, diffusers'
+    cache_interval minus 1, its factors in float32 as the model runs)."""
     from diffusers import FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig
 
     transformer = timer.pipe.transformer
     if transformer.is_cache_enabled:
         transformer.disable_cache()
+    if method is None:
+        return
+    defaults = METHOD_DEFAULTS[method]
+    if threshold is None and defaults.threshold is not None:
+        threshold = defaults.threshold(steps)
     if method == "first-block":
-        transformer.enable_cache(FirstBlockCacheConfig(threshold=threshold or 0.05))
+        transformer.enable_cache(FirstBlockCacheConfig(threshold=threshold))
     elif method == "mag":
-        chosen = mag_threshold(steps) if threshold is None else threshold
-        transformer.enable_cache(MagCacheConfig(threshold=chosen, num_inference_steps=steps, mag_ratios=ratios))
+        transformer.enable_cache(MagCacheConfig(threshold=threshold, num_inference_steps=steps, mag_ratios=ratios))
     elif method == "taylorseer":  # lite mode: every block skipped, proj_out's output forecast (as ours does)
-        warmup = max(1, round(0.1 * steps))
+        assert defaults.max_skip is not None
         config = TaylorSeerCacheConfig(
-            cache_interval=5, disable_cache_before_step=warmup, taylor_factors_dtype=torch.float32, use_lite_mode=True
+            cache_interval=defaults.max_skip + 1,
+            disable_cache_before_step=max(1, round(defaults.warmup_fraction * steps)),
+            taylor_factors_dtype=torch.float32,
+            use_lite_mode=True,
         )
         transformer.enable_cache(config)
 

@@ -1,7 +1,7 @@
-"""Step caching on HunyuanVideo 1.5 (pipelines/caching/, its dual-stream blocks declared in the family's cache_points): inline,
-first-block and mag skip some steps and report them, a cached request that skips nothing gives the uncached bytes;
-`distvideo calibrate` writes the ratios mag uses; on mp at cfg2 x sp2 every rank reports the inline run's skipped
-steps and the frames are within 2 of it.
+"""Step caching on HunyuanVideo 1.5 (pipelines/caching/, its dual-stream blocks declared in the family's
+cache_points): inline, first-block and mag skip some steps and report them, a cached request that skips nothing gives
+the uncached bytes; `distvideo calibrate` writes the ratios mag uses; on mp at cfg2 x sp2 every rank reports the
+inline run's skipped steps and the frames are within 2 of it.
 
 The tiny checkpoint (2 layers, 45 video tokens: sp=2 pads one) at 5 steps (a step cache is refused below 5). At the
 threshold 0.92 its first-block metric at steps 1-4 is 2.063, 0.914, 0.948, 0.904 on one rank, and 0.905 / 0.925 on

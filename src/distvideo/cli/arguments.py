@@ -40,8 +40,10 @@ REQUEST_FLAGS: dict[str, dict[str, Any]] = {
     # step caching (docs/caching.md)
     "cache": {"help": "step caching: none (default), first-block, mag or taylorseer", "choices": CACHE_METHODS},
     "cache_threshold": {"help": "skip a step while the cache's change metric stays under this (default: per method)"},
-    "cache_warmup_steps": {"help": "steps always computed first (default: 10%% first-block, 20%% mag)"},
-    "cache_max_skip": {"help": "at most this many consecutive skipped steps (default: 3 for mag, no limit)"},
+    "cache_warmup_steps": {"help": "steps always computed first (default: 10%% first-block and taylorseer, 20%% mag)"},
+    "cache_max_skip": {
+        "help": "at most this many consecutive skipped steps (default: 3 for mag, 4 for taylorseer, no limit)"
+    },
     # the noise schedule (docs/performance.md, "Few-step models")
     "scheduler": {"help": "default (the checkpoint's), unipc, euler or dpm", "choices": SCHEDULERS},
     "flow_shift": {"help": "the flow-matching shift (default: the checkpoint's)"},

@@ -11,7 +11,8 @@ raises the WorkerDiedError). Arrays and tensors in answers and events come back 
 The call options (executors/base.py): events travel as notes before the answer; `stop` is forwarded to the workers
 through the control block (a shared word they read between steps); `lockstep` settles for SETTLE_S after a rank failed
 alone, then tears down; `self_limit` makes a call unanswered STOP_GRACE_FACTOR x self_limit + STOP_GRACE_S after it
-began stuck, handled as a timeout (the call's answers, its deadline and settling are tracker.py's, shared with Ray). With `unique_reply_rank=r` only rank r emits and sends its result.
+began stuck, handled as a timeout (the call's answers, its deadline and settling are tracker.py's, shared with Ray).
+With `unique_reply_rank=r` only rank r emits and sends its result.
 
 The ranks meet privately: their rendezvous is a file store in a directory only this user can open (no TCP store),
 and gloo binds to the loopback interface.

@@ -151,7 +151,10 @@ class RemoteRanksExecutor(Executor):
         self._died_idle: WorkerDiedError | None = None  # a death the monitor saw: what the next call raises
 
     def _dead_text(self) -> str:
-        return f"the {self.kind} executor is dead: {self._dead}. Create a new VideoGenerator (from_pretrained) to continue."
+        return (
+            f"the {self.kind} executor is dead: {self._dead}. Create a new VideoGenerator (from_pretrained) to "
+            "continue."
+        )
 
     def check_health(self) -> None:
         """Raise what the next call would raise once the ranks are gone; reads state only, never waits on a call in

@@ -125,13 +125,17 @@ def check_cache_servable(request: GenerationRequest, *, compiled: bool) -> None:
     """A cached request on an engine whose blocks are compiled (--compile): refused, as the engine has no step-cache
     hooks there (the compiled blocks would trace the per-step decisions)."""
     if compiled and request.cache not in (None, "none"):
-        n = request.naming
-        raise ConfigError(
-            f"{n.subject('cache', request.cache)}: step caching is not served with --compile (the compiled blocks "
-            f"would trace the cache's per-step decisions); drop {n.label('cache')} or start the engine without "
-            "--compile",
-            param="cache",
-        )
+        raise compile_refusal(request)
+
+
+def compile_refusal(request: GenerationRequest) -> ConfigError:
+    """The error for a cached request on an engine that compiles its blocks."""
+    n = request.naming
+    return ConfigError(
+        f"{n.subject('cache', request.cache)}: step caching is not served with --compile (the compiled blocks would "
+        f"trace the cache's per-step decisions); drop {n.label('cache')} or start the engine without --compile",
+        param="cache",
+    )
 
 
 def _uncalibrated(request: GenerationRequest, ratios: dict[str, list[float]], scheduler: str, model: Path) -> str:

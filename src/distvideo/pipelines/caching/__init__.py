@@ -18,8 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from distvideo.errors import ConfigError
-from distvideo.models.cache_ratios import ratios_key
+from distvideo.models.cache_ratios import compile_refusal, ratios_key
 from distvideo.models.family import ModelFamily
 from distvideo.models.plans import get_plan
 from distvideo.parallel.cache_decision import shared_decision
@@ -37,11 +36,9 @@ METHODS: dict[str, type[CacheMethod]] = {
 }
 
 
-def new_session(request: GenerationRequest, ratios: list[float], parallel: Any, do_cfg: bool) -> CacheSession | None:
-    """The session of a resolved request (None with the cache off), deciding with this rank's sp group and CFG pair
-    when `parallel` (a ParallelContext) has them."""
-    if request.cache in (None, "none"):
-        return None
+def new_session(request: GenerationRequest, ratios: list[float], parallel: Any, do_cfg: bool) -> CacheSession:
+    """The session of a resolved, cached request, deciding with this rank's sp group and CFG pair when `parallel` (a
+    ParallelContext) has them."""
     settings = CacheSettings(
         threshold=float(request.cache_threshold or 0.0),
         warmup_steps=int(request.cache_warmup_steps or 0),
@@ -76,12 +73,8 @@ def step_cache(pipeline: Any, batch: Any) -> Iterator[CacheSession | None]:
         yield None
         return
     slot = cache_slot(pipeline)
-    if slot is None:
-        raise ConfigError(
-            f"cache (--cache {request.cache}): step caching is not served with --compile (the compiled blocks would "
-            "trace the cache's per-step decisions); drop one of them",
-            param="cache",
-        )
+    if slot is None:  # no hooks (--compile): the edge refuses it first (VideoGenerator.generate_request); a batch item
+        raise compile_refusal(request)  # meets it here
     model = pipeline.model
     ratios = model.cache_ratios.get(ratios_key(model.schedule(request).key(), request.num_inference_steps), [])
     session = new_session(request, ratios, pipeline.parallel, batch.do_cfg)
@@ -90,9 +83,8 @@ def step_cache(pipeline: Any, batch: Any) -> Iterator[CacheSession | None]:
         yield session
     finally:
         slot.session = None
-        if session is not None:
-            session.end()
-            batch.cache = session.report(len(batch.timesteps))
+        session.end()
+        batch.cache = session.report(len(batch.timesteps))
 
 
 __all__ = [
