@@ -65,6 +65,7 @@ GPU = Sizes(
     ],
     budgets={
         "build": 110,
+        "table14b": 300,
         "parity_diffusers": 60,
         "parity_executors": 50,
         "bench": 240,
@@ -74,6 +75,7 @@ GPU = Sizes(
         "offload": 90,
         "few_step": 60,
         "compile": 150,
+        "resume": 30,
     },
 )
 TINY_1_3B = dict(num_layers=2, num_attention_heads=2, attention_head_dim=16, ffn_dim=64, text_dim=32, vae_base_dim=8)
@@ -92,6 +94,7 @@ SMOKE = Sizes(
     # generous: on a loaded 2-core machine a phase takes several times its quiet 5-25 s; the budgets guard hangs
     budgets={
         "build": 60,
+        "table14b": 120,
         "parity_diffusers": 120,
         "parity_executors": 120,
         "bench": 120,
@@ -101,6 +104,7 @@ SMOKE = Sizes(
         "offload": 5,
         "few_step": 60,
         "compile": 5,
+        "resume": 5,
     },
     matmul_size=128,
 )
@@ -170,10 +174,11 @@ def bench_plan(
     dtype: str | None = None,
     compare: bool = True,
     compile: bool = False,
+    extra: tuple[str, ...] = (),
 ) -> Any:
     """A `distvideo bench` plan (the FLOP count, the resolved engine and request) for one shape of `model`;
     `dtype` (default `sizes.dtype`, else the device's default dtypes) of the transformer and text encoder; `compare`:
-    against diffusers; `compile`: with --compile."""
+    against diffusers; `compile`: with --compile; `extra`: more bench flags (``--image PATH``)."""
     from distvideo.bench import add_bench_parser, plan_from_args
 
     parser = argparse.ArgumentParser()
@@ -183,7 +188,7 @@ def bench_plan(
     argv += ["--steps", str(steps), "--guidance-scale", "5", "--runs", str(runs), "--warmup", str(warmup)]
     argv += ["--compare", "diffusers"] if compare else []
     argv += ["--compile"] if compile else []
-    argv += ["--executor", "inline", "--log-level", "WARNING"]
+    argv += ["--executor", "inline", "--log-level", "WARNING", *extra]
     argv += ["--device", sizes.device] if sizes.device else []
     dtype = dtype or sizes.dtype
     argv += ["--dtype", dtype] if dtype else []

@@ -68,6 +68,26 @@ def _check_bench(bench: dict) -> None:
         assert report["env"]["device"] == "cpu" and report["env"]["world_size"] == 1
 
 
+def _check_table14b(table: dict) -> None:
+    """The 14B row's code on the tiny build: distvideo and diffusers' WanImageToVideoPipeline ran the same I2V
+    request (float32 frames within 2: in fact equal here), their per-step figures and ratio; the fast paths that the
+    CPU refuses (fp8, sage) or smoke mode skips (compile) are recorded as such, with the reason."""
+    assert table["status"] == "ok" and table["shape"] == "5x32x48" and table["steps"] == 2
+    assert table["dtypes"]["transformer"] == "float32" and table["distvideo_vs_diffusers"]["max_abs_diff"] <= 2
+    runs = table["runs"]
+    assert list(runs) == [
+        "distvideo", "diffusers", "distvideo, every fast path", "distvideo --compile", "distvideo --quantize fp8",
+        "distvideo --attention sage",
+    ]  # fmt: skip
+    for label in ("distvideo", "diffusers"):
+        run = runs[label]
+        assert run["status"] == "ok" and run["denoising_per_step_s"] > 0 and 0 < run["mfu"], run
+    assert runs["diffusers"]["per_step_vs_diffusers"] == 1.0 and runs["distvideo"]["per_step_vs_diffusers"] > 0
+    assert "needs float8 matrix products" in runs["distvideo --quantize fp8"]["reason"]
+    assert "sage" in runs["distvideo --attention sage"]["reason"]
+    assert all(runs[k]["status"] == "skipped" for k in ("distvideo, every fast path", "distvideo --compile"))
+
+
 @pytest.mark.slow
 def test_smoke_run_writes_every_phase(smoke_run):
     proc, report, md = smoke_run
@@ -75,9 +95,12 @@ def test_smoke_run_writes_every_phase(smoke_run):
     assert report["mode"] == "smoke" and report["ok"] is True and report["elapsed_s"] > 0
     phases = report["phases"]
     assert list(phases) == [
-        "build", "parity_diffusers", "parity_executors", "bench", "layout_estimate", "caching", "quantize", "offload",
-        "few_step", "compile",
+        "build", "table14b", "parity_diffusers", "parity_executors", "bench", "layout_estimate", "caching", "quantize",
+        "offload", "few_step", "compile", "resume",
     ]  # fmt: skip
+    _check_table14b(phases["table14b"])
+    resume = phases["resume"]  # issue 54 has not landed: skipped, saying so, and not a gap in `complete`
+    assert resume["status"] == "skipped" and resume["not_landed"] and "issue 54" in resume["reason"]
     assert all("elapsed_s" in p for p in phases.values())
     few = phases[
         "few_step"
@@ -139,7 +162,7 @@ def test_smoke_run_writes_every_phase(smoke_run):
 
     for line in (
         "| parity_diffusers | ok |", "| parity_executors | ok |", "| offload | skipped |", "## 9x32x48",
-        "## step caching, 5x32x48, 5 steps", "| 9x32x48 | ", "## low precision, 5x32x48, 4 steps", "| quantize fp8-weight | ",
+        "## step caching, 5x32x48, 5 steps", "## Wan2.1-I2V-14B shapes, 5x32x48, 2 steps", "| distvideo | ", "| 9x32x48 | ", "## low precision, 5x32x48, 4 steps", "| quantize fp8-weight | ",
     ):  # fmt: skip
         assert line in md
     assert "phase bench: ok" in proc.stdout and "[" in proc.stdout.splitlines()[0]  # progress with elapsed time

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -61,18 +61,21 @@ SEED_OFFSETS = {"transformer": 0, "vae": 1_000, "text_encoder": 2_000}
 VAE_OUT_GAIN = 0.75
 
 
-def init_weights(module: Any, seed: int, out_gain: dict[str, float] | None = None) -> None:
-    """Overwrite every parameter of ``module`` from a generator seeded with ``seed``.
+def init_weights(
+    module: Any, seed: int, out_gain: dict[str, float] | None = None, device: str | torch.device = "cpu"
+) -> None:
+    """Overwrite every parameter of ``module`` from a generator seeded with ``seed``, drawn on `device` (where the
+    module's parameters are; each device's generator has its own stream, so the weights depend on it).
 
     Linear/conv weights ~ N(0, 1/fan_in), their biases ~ N(0, 0.02^2), embeddings ~ N(0, 1), norm scales 1, norm
     shifts 0, ``scale_shift_table`` ~ N(0, 1/dim) as diffusers does. ``out_gain`` multiplies the weights of the named
     submodules. Parameters are visited in registration order, so the result depends only on the architecture.
     """
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
     out_gain = out_gain or {}
 
     def randn(shape: torch.Size, std: float) -> torch.Tensor:
-        return torch.randn(tuple(shape), generator=gen, dtype=torch.float32) * std
+        return torch.randn(tuple(shape), generator=gen, dtype=torch.float32, device=device) * std
 
     with torch.no_grad():
         for mod_name, mod in module.named_modules():
@@ -88,9 +91,9 @@ def init_weights(module: Any, seed: int, out_gain: dict[str, float] | None = Non
                 elif name == "scale_shift_table":
                     value = randn(param.shape, 1.0 / math.sqrt(param.shape[-1]))
                 elif name in ("weight", "gamma"):
-                    value = torch.ones(param.shape)
+                    value = torch.ones(param.shape, device=device)
                 elif name in ("bias", "beta"):
-                    value = torch.zeros(param.shape)
+                    value = torch.zeros(param.shape, device=device)
                 else:
                     value = randn(param.shape, 0.02)
                 param.copy_(value.to(param.dtype))
@@ -108,9 +111,12 @@ def build_transformer(
     seed: int,
     in_channels: int | None = None,
     image_dim: int | None = None,
+    device: str | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> Any:
     """A Wan transformer denoising `z_dim` latent channels from `in_channels` (default `z_dim`; more when a condition
-    is stacked on the noise), with image cross-attention when `image_dim` (the image encoder's width) is given."""
+    is stacked on the noise), with image cross-attention when `image_dim` (the image encoder's width) is given.
+    With `device`, built in `dtype` on it by :func:`on_device` (for saving)."""
     from diffusers import WanTransformer3DModel
 
     head_split = 2 * (attention_head_dim // 6)
@@ -119,7 +125,7 @@ def build_transformer(
             f"attention_head_dim={attention_head_dim} cannot be split into even t/h/w rotary parts; use a value "
             "with attention_head_dim // 6 >= 1 and an even remainder, e.g. 8, 12, 16, 64 or 128"
         )
-    model = WanTransformer3DModel(
+    construct = lambda: WanTransformer3DModel(  # noqa: E731
         patch_size=(1, 2, 2),
         num_attention_heads=num_attention_heads,
         attention_head_dim=attention_head_dim,
@@ -136,8 +142,22 @@ def build_transformer(
         added_kv_proj_dim=num_attention_heads * attention_head_dim if image_dim is not None else None,
         rope_max_seq_len=1024,
     )
+    if device is not None:
+        return on_device(construct, seed=seed, device=device, dtype=dtype)
+    model = construct()
     init_weights(model, seed)
     return model
+
+
+def on_device(construct: Callable[[], Any], *, seed: int, device: str, dtype: torch.dtype) -> Any:
+    """The module `construct()` builds, made without memory (on the meta device), then allocated on `device` in
+    `dtype` and drawn there by :func:`init_weights`: billions of parameters in seconds on a GPU, with no float32 copy
+    on the host. Its non-persistent buffers (rotary tables) are left unset: the result is for ``save_pretrained``."""
+    with torch.device("meta"):
+        model = construct()
+    model = nn.Module.to(model, dtype).to_empty(device=device)
+    init_weights(model, seed, device=device)
+    return model.eval()
 
 
 def build_vae(*, base_dim: int, z_dim: int, seed: int, **extra: Any) -> Any:
@@ -162,8 +182,18 @@ def build_vae(*, base_dim: int, z_dim: int, seed: int, **extra: Any) -> Any:
 
 
 def build_text_encoder(
-    *, vocab_size: int, d_model: int, num_layers: int, num_heads: int, d_kv: int, d_ff: int, seed: int
+    *,
+    vocab_size: int,
+    d_model: int,
+    num_layers: int,
+    num_heads: int,
+    d_kv: int,
+    d_ff: int,
+    seed: int,
+    device: str | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> Any:
+    """A UMT5 encoder (Wan's text encoder); with `device`, built in `dtype` on it by :func:`on_device`."""
     from transformers import UMT5Config, UMT5EncoderModel
 
     config = UMT5Config(  # type: ignore[call-arg]  # tie_word_embeddings is a PretrainedConfig keyword
@@ -185,6 +215,8 @@ def build_text_encoder(
         decoder_start_token_id=0,
     )
     config.architectures = ["UMT5EncoderModel"]
+    if device is not None:
+        return on_device(lambda: UMT5EncoderModel(config), seed=seed, device=device, dtype=dtype)
     model = UMT5EncoderModel(config)
     init_weights(model, seed)
     model.eval()
