@@ -43,7 +43,7 @@ def measure(worker: Any, image: str, request: dict[str, Any], repeats: int) -> d
 
     def condition() -> list[torch.Tensor]:
         """The pipeline's own computation of the conditioning, without its broadcast."""
-        from distvideo.pipelines.wan_i2v import ImageBatch
+        from distvideo.families.wan.i2v import ImageBatch
 
         with torch.no_grad():
             if not hasattr(pipeline, "first_frame_condition"):  # TI2V-5B

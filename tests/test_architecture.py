@@ -38,6 +38,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("models", "lora"),
     ("parallel",),
     ("pipelines",),
+    ("families",),  # one package per model family, registered on import (distvideo/__init__.py imports them)
     ("engine", "worker"),
     ("executors",),
     # protocols: the structural types of the generator (imports it for types only); batch beside the generator,
@@ -202,7 +203,7 @@ def test_the_checks_see_a_broken_tree(tmp_path):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
     assert units_without_a_row(tmp_path) == ["stray"]
-    assert upward_imports(tmp_path) == ["distvideo.models.registry (row 2) imports distvideo.worker (row 5)"]
+    assert upward_imports(tmp_path) == ["distvideo.models.registry (row 2) imports distvideo.worker (row 6)"]
     assert out_of_order_imports(tmp_path) == [
         "distvideo.errors imports distvideo.config: within row 1, 'config' comes after 'errors'"
     ]  # engine -> worker, for types only, is free

@@ -13,9 +13,9 @@ import pytest
 from distvideo import VideoGenerator
 from distvideo.cli.main import main
 from distvideo.config import EngineConfig
+from distvideo.families.wan import WAN22_T2V_A14B
 from distvideo.models import compat
 from distvideo.models.plans import CompilePlan, CpuKernelsPlan, speed_plans
-from distvideo.models.registry import WAN22_T2V_A14B
 from distvideo.worker import separate_compile_time
 
 from background import FolderJob, in_a_process

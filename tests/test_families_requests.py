@@ -15,6 +15,7 @@ from distvideo.cli.main import main
 from distvideo.config import Naming
 from distvideo.models.registry import probe_model
 from distvideo.request import GenerationRequest
+from distvideo.worker import pipeline_class
 from family_checkpoints import family_checkpoint, test_image
 
 FAMILY_NAMES = {
@@ -40,7 +41,12 @@ def no_weights(monkeypatch):
 def test_checkpoints_resolve_to_their_family(tmp_path_factory, family):
     info = probe_model(family_checkpoint(tmp_path_factory, family))
     assert info.family.name == FAMILY_NAMES[family]
-    assert info.family.pipeline == {"wan21_i2v": "wan_i2v"}.get(family, family)
+    pipelines = {
+        "wan21_i2v": "WanI2VPipeline", "wan22_t2v_a14b": "Wan22T2VA14BPipeline",
+        "wan22_i2v_a14b": "Wan22I2VA14BPipeline", "wan22_ti2v_5b": "Wan22TI2VPipeline",
+    }  # fmt: skip
+    cls = pipeline_class(info.family)  # the worker's import of the family's "module:Class"
+    assert cls.__name__ == pipelines[family] and cls.__module__.startswith("distvideo.families.wan.")
 
 
 def test_embedded_model_is_wan21_t2v(tiny_model):

@@ -12,6 +12,7 @@ import pytest
 
 from distvideo import ConfigError, VideoGenerator
 from distvideo.models.registry import probe_model
+from distvideo.worker import pipeline_class
 
 # a quoted glyph text, so the ByT5 branch runs (an unquoted prompt gives it zeros); a non-square size, guidance on
 PROMPT = 'A neon sign reading "OPEN" flickers above a rainy street'
@@ -50,7 +51,8 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_registry_entry_and_defaults(checkpoint: Path, tmp_path: Path) -> None:
     info = probe_model(checkpoint)
-    assert info.family.name == "HunyuanVideo 1.5 T2V" and info.family.pipeline == "hunyuan15_t2v"
+    assert info.family.name == "HunyuanVideo 1.5 T2V"
+    assert pipeline_class(info.family).__name__ == "HunyuanVideo15T2VPipeline"
     assert (info.vae_scale_spatial, info.vae_scale_temporal, info.patch_size) == (16, 4, (1, 1, 1))
     assert info.latent_channels == 8  # the VAE's latent channels, not the transformer's 2 * 8 + 1 inputs
     assert info.defaults == {

@@ -12,6 +12,7 @@ import pytest
 from distvideo import ConfigError, VideoGenerator
 from distvideo.models.registry import probe_model
 from distvideo.request import GenerationRequest
+from distvideo.worker import pipeline_class
 from test_hunyuan import NEGATIVE, PROMPT
 
 REQUEST = dict(num_frames=9, num_inference_steps=2, guidance_scale=4.5, seed=5)
@@ -42,7 +43,8 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_size_follows_the_image(checkpoint: Path, image: Path) -> None:
     info = probe_model(checkpoint)
-    assert info.family.name == "HunyuanVideo 1.5 I2V" and info.family.pipeline == "hunyuan15_i2v"
+    assert info.family.name == "HunyuanVideo 1.5 I2V"
+    assert pipeline_class(info.family).__name__ == "HunyuanVideo15I2VPipeline"
     resolved = info.resolve_request(GenerationRequest(prompt="x", image=str(image)))
     assert (resolved.height, resolved.width) == (48, 64)  # the bucket at target size 64 closest to 28 / 40
     tall = info.resolve_request(GenerationRequest(prompt="x", image=np.zeros((40, 28, 3), np.uint8)))

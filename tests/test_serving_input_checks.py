@@ -17,7 +17,8 @@ from fastapi.testclient import TestClient
 
 from distvideo.cli.main import main
 from distvideo.errors import ConfigError
-from distvideo.models.registry import WAN22_TI2V_5B, probe_model
+from distvideo.families.wan import WAN22_TI2V_5B
+from distvideo.models.registry import probe_model
 from distvideo.serving.admission import Admission
 from distvideo.serving.app import AppContext, create_app
 from distvideo.serving.events import JobEvents

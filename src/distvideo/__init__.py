@@ -8,6 +8,7 @@ from distvideo import envs
 
 envs.reproducible_cpu_math()  # before anything computes: MKL reads its mode once (envs.MKL_REPRODUCIBLE)
 
+from distvideo import families  # noqa: E402, F401  (the families register themselves: models/family.py)
 from distvideo.config import EngineConfig  # noqa: E402 (after the MKL mode)
 from distvideo.errors import (  # noqa: E402
     ConfigError,

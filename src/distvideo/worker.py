@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import importlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from distvideo.engine import ResolvedEngine
 from distvideo.errors import ConfigError, GenerationCancelled
 from distvideo.launch import LaunchEnv
 from distvideo.models import compat
+from distvideo.models.family import ModelFamily
 from distvideo.models.loading import load_components
 from distvideo.models.memory import USABLE_FRACTION, estimate_request, fitting_size
 from distvideo.models.plans import AppliedPlans, apply_plans, speed_plans
@@ -36,8 +38,8 @@ from distvideo.outputs import ItemOutcome, WorkerOutput
 from distvideo.parallel.collectives import collective
 from distvideo.parallel.shard import gathered_bytes
 from distvideo.parallel.vae import decode_band_count
+from distvideo.pipelines.base import Pipeline, record_per_step_denoising
 from distvideo.pipelines.control import StepControl
-from distvideo.pipelines.wan import record_per_step_denoising
 from distvideo.request import GenerationRequest
 
 if TYPE_CHECKING:
@@ -94,6 +96,13 @@ def rendezvous_store(init_method: str, rank: int, world_size: int, timeout: time
     return torch.distributed.PrefixStore(f"distvideo/pg{_process_groups_created}/", store)
 
 
+def pipeline_class(family: ModelFamily) -> Callable[..., Pipeline]:
+    """The pipeline class a family names ("module:Class", in its own package under distvideo/families/)."""
+    module, _, name = family.pipeline.partition(":")
+    cls: Callable[..., Pipeline] = getattr(importlib.import_module(module), name)
+    return cls
+
+
 class Worker:
     def __init__(self, engine: ResolvedEngine, rank_info: RankInfo):
         self.engine = engine
@@ -104,7 +113,7 @@ class Worker:
         self.local_rank = rank_info.local_rank
         self.world_size = rank_info.world_size
         self.device = select_device(engine.config.device, rank_info.local_rank)
-        self.pipeline: Any = None
+        self.pipeline: Pipeline | None = None
         self.process_group_initialized = False
         self.cpu_group: Any = None  # gloo group for control messages (the default group on CPU)
         self.parallel: ParallelContext | None = None  # when world_size > 1
@@ -169,7 +178,6 @@ class Worker:
 
     def load_model(self) -> None:
         """Load the components, apply every plan (the one place modules are changed), build the pipeline."""
-        from distvideo.pipelines import PIPELINES
         from distvideo.pipelines.caching import cache_plans
 
         model = self.model_info
@@ -190,8 +198,7 @@ class Worker:
             plans += self.parallel.shard_plans(self.config.shard_weights or "none", components, transformers)
         self._undo_plans = apply_plans(components, plans)
         self._gathered_bytes = max(gathered_bytes(components[name]) for name in transformers)
-        pipeline_cls = PIPELINES[model.family.pipeline]
-        self.pipeline = pipeline_cls(
+        self.pipeline = pipeline_class(model.family)(
             components,
             self.device,
             model,
@@ -273,9 +280,10 @@ class Worker:
         on_progress: Callable[[int, int], None] | None,
         cancelled: Callable[[], bool] | None,
     ) -> WorkerOutput:
-        if self.pipeline is None:
+        pipeline = self.pipeline
+        if pipeline is None:
             raise RuntimeError("the worker has no model loaded (was it shut down?)")
-        self._refuse_if_it_cannot_fit(request)
+        self._refuse_if_it_cannot_fit(pipeline, request)
         reset_peak_memory(self.device)
         control = StepControl(
             timeout=request.request_timeout,
@@ -284,7 +292,7 @@ class Worker:
             group=self.replica_group,
         )
         compiled_before = compat.compile_seconds() if self.config.compile else 0.0
-        batch = self.pipeline(request, control)
+        batch = pipeline(request, control)
         if self.config.compile:
             steps = len(batch.timesteps) if batch.timesteps is not None else 1
             separate_compile_time(batch.timings, compat.compile_seconds() - compiled_before, steps)
@@ -318,7 +326,7 @@ class Worker:
                 emit(outcome)
         return len(share)
 
-    def _refuse_if_it_cannot_fit(self, request: GenerationRequest) -> None:
+    def _refuse_if_it_cannot_fit(self, pipeline: Pipeline, request: GenerationRequest) -> None:
         """ConfigError before any work when the request's activations would not fit this rank's memory (every rank
         on a CPU node shares the machine's RAM). The ranks decide together: where one refuses, all do."""
         layout = self.engine.layout
@@ -334,7 +342,7 @@ class Worker:
             sp_size=layout.sp_size,
             decode_bands=bands,
             dtype_bytes=torch.empty((), dtype=dtype).element_size(),
-            offloaded=self.pipeline.offload.device_bytes_per_visit(),
+            offloaded=pipeline.offload.device_bytes_per_visit(),
             gathered=self._gathered_bytes,
         )
         sharing = (self.rank_info.local_world_size or 1) if self.device.type == "cpu" else 1

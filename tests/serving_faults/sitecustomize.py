@@ -1,7 +1,7 @@
 """Test-only hooks for served engines (tests/test_serving_*.py). Python imports this module at start-up in every
 process whose PYTHONPATH starts with this folder: the server, its mp workers, launched ranks.
 
-- DISTVIDEO_TEST_FAIL_RANK=N (or "all"): the Wan pipeline raises on rank N (every rank) for prompts containing
+- DISTVIDEO_TEST_FAIL_RANK=N (or "all"): every family's pipeline raises on rank N (every rank) for prompts containing
   "inject a fault".
 - DISTVIDEO_TEST_SLOW_STEP_S=S: every rank sleeps S seconds after each denoising step of a job of 100 steps or more,
   so a "long" job outlasts a grace period or a cancel whatever the machine's speed (a tiny model's step can take
@@ -13,10 +13,10 @@ import os
 if os.environ.get("DISTVIDEO_TEST_FAIL_RANK"):
     import torch.distributed as dist
 
-    from distvideo.pipelines import wan
+    from distvideo.pipelines import base
 
     _FAIL_RANK = os.environ["DISTVIDEO_TEST_FAIL_RANK"]
-    _original = wan.WanT2VPipeline.__call__
+    _original = base.DenoisingPipeline.__call__
 
     def _call(self, request, *args, **kwargs):
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
@@ -24,7 +24,7 @@ if os.environ.get("DISTVIDEO_TEST_FAIL_RANK"):
             raise RuntimeError(f"injected fault on rank {rank}")
         return _original(self, request, *args, **kwargs)
 
-    wan.WanT2VPipeline.__call__ = _call
+    base.DenoisingPipeline.__call__ = _call
 
 if os.environ.get("DISTVIDEO_TEST_SLOW_STEP_S"):
     import time

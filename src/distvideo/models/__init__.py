@@ -1,5 +1,5 @@
 """Model families: which pipeline runs a checkpoint folder, and loading its components."""
 
-from distvideo.models.registry import SUPPORTED_CLASSES, ModelInfo, probe_model
+from distvideo.models.registry import ModelInfo, probe_model, supported_classes
 
-__all__ = ["SUPPORTED_CLASSES", "ModelInfo", "probe_model"]
+__all__ = ["ModelInfo", "probe_model", "supported_classes"]

@@ -1,9 +1,12 @@
 """What a model family is: the checkpoints it answers to, the pipeline that runs it, what it loads, its request
-defaults and the traits the plans read (models/registry.py lists the families)."""
+defaults and the traits the plans read. Families declare themselves in their own package (distvideo/families/<name>/)
+and register here (`register_family`); models/registry.py matches checkpoints against what is registered."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 IMAGE_NONE, IMAGE_OPTIONAL, IMAGE_REQUIRED = "none", "optional", "required"
@@ -43,7 +46,7 @@ class ModelFamily:
 
     name: str  # as messages say it, e.g. "Wan2.2 TI2V-5B"
     class_names: tuple[str, ...]
-    pipeline: str  # key into distvideo.pipelines.PIPELINES
+    pipeline: str  # "module:Class" of its pipeline (a pipelines.base.DenoisingPipeline), imported by the worker
     components: tuple[str, ...]
     defaults: dict[str, Any]
     description: str
@@ -52,7 +55,13 @@ class ModelFamily:
     expand_timesteps: bool = False
     image_encoder: bool = False
     compact_text: bool = True  # whether the text-padding plan (Wan's text-only cross-attention) applies
-    size_from_image: bool = False  # an unset height and width follow the image's aspect-ratio bucket (HunyuanVideo)
+    #: (image rows, image columns, transformer config) -> (height, width) of a request that sets neither; None: the
+    #: family's default size
+    size_for_image: Callable[[int, int, dict[str, Any]], tuple[int, int]] | None = None
+    #: (checkpoint folder, model_index.json, transformer config) -> request defaults the checkpoint itself sets (read
+    #: before any weight; raises ConfigError on what the family cannot run); None: only the documented ones
+    checkpoint_defaults: Callable[[Path, dict[str, Any], dict[str, Any]], dict[str, Any]] | None = None
+    text_tokens: int = 512  # text tokens a step attends to (the layout planner's cost model): Wan pads to 512
     #: where --cache wraps the transformer (None: the family's blocks are not declared, and --cache is refused before
     #: loading); Wan's single-stream `blocks` by default
     cache_points: CachePoints | None = CachePoints("blocks")
@@ -73,3 +82,21 @@ class ModelFamily:
     @property
     def traits(self) -> tuple[int, bool, bool]:
         return self.experts, self.expand_timesteps, self.image_encoder
+
+
+_FAMILIES: list[ModelFamily] = []
+
+
+def register_family(*families: ModelFamily) -> None:
+    """Add families to the registry, in the order checkpoints are matched; registering the same declaration again (a
+    module imported twice) changes nothing, another family under a registered name is refused."""
+    for family in families:
+        known = next((f for f in _FAMILIES if f.name == family.name), None)
+        if known is None:
+            _FAMILIES.append(family)
+        elif known != family:
+            raise ValueError(f"a model family named {family.name!r} is already registered")
+
+
+def registered_families() -> tuple[ModelFamily, ...]:
+    return tuple(_FAMILIES)

@@ -18,7 +18,7 @@ LIBRARIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("diffusers", ("WanTransformer3DModel", "AutoencoderKLWan", "UniPCMultistepScheduler")),
     ("diffusers", ("FlowMatchEulerDiscreteScheduler", "WanPipeline")),
     ("transformers", ("UMT5EncoderModel", "T5TokenizerFast", "CLIPVisionModel")),
-    # HunyuanVideo 1.5 (models/hunyuan15.py)
+    # HunyuanVideo 1.5 (families/hunyuan15/)
     ("diffusers", ("HunyuanVideo15Transformer3DModel", "AutoencoderKLHunyuanVideo15", "ClassifierFreeGuidance")),
     ("transformers", ("Qwen2_5_VLTextModel", "T5EncoderModel", "Qwen2Tokenizer", "ByT5Tokenizer", "SiglipVisionModel")),
     ("peft", ("LoraConfig",)),

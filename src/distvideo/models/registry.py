@@ -16,114 +16,10 @@ from typing import Any
 from distvideo.config import Naming
 from distvideo.errors import ConfigError
 from distvideo.models.cache_ratios import CACHE_DEFAULT_KEYS, read_ratios, resolve_cache
-from distvideo.models.family import IMAGE_NONE, IMAGE_OPTIONAL, IMAGE_REQUIRED, ModelFamily
-from distvideo.models.hunyuan15 import HUNYUAN15_I2V, HUNYUAN15_T2V, guider_defaults, image_size_bucket
+from distvideo.models.family import IMAGE_NONE, IMAGE_REQUIRED, ModelFamily, registered_families
 from distvideo.models.schedules import SCHEDULE_KEYS, Schedule, fill_schedule, schedule_for
 from distvideo.request import GenerationRequest, check_schedule_fields
 
-_T5 = ("vae", "text_encoder", "tokenizer", "scheduler")
-
-
-# Request defaults: diffusers' pipeline defaults and, where Wan documents its own, Wan's (sample_steps,
-# sample_guide_scale, frame_num and size of wan/configs in the Wan2.1 / Wan2.2 repositories). `fps` is the rate of
-# the saved video; a checkpoint's distvideo_defaults.json overrides any of them.
-WAN_T2V = ModelFamily(
-    name="Wan2.1 T2V",
-    class_names=("WanPipeline",),
-    pipeline="wan_t2v",
-    components=("transformer", *_T5),
-    defaults={
-        "num_frames": 81,
-        "height": 480,
-        "width": 832,
-        "num_inference_steps": 50,
-        "guidance_scale": 5.0,
-        "fps": 16,
-    },
-    description="Wan2.1 text-to-video (WanTransformer3DModel, AutoencoderKLWan, UMT5)",
-)
-WAN_I2V = ModelFamily(
-    name="Wan2.1 I2V",
-    class_names=("WanImageToVideoPipeline",),
-    pipeline="wan_i2v",
-    components=("transformer", *_T5, "image_encoder", "image_processor"),
-    defaults={
-        "num_frames": 81,
-        "height": 480,
-        "width": 832,
-        "num_inference_steps": 50,
-        "guidance_scale": 5.0,
-        "fps": 16,
-    },
-    description="Wan2.1 image-to-video: CLIP image tokens in cross-attention, first-frame latents with a mask",
-    image=IMAGE_REQUIRED,
-    image_encoder=True,
-)
-WAN22_T2V_A14B = ModelFamily(
-    name="Wan2.2 T2V-A14B",
-    class_names=("WanPipeline",),
-    pipeline="wan22_t2v_a14b",
-    components=("transformer", "transformer_2", *_T5),
-    defaults={
-        "num_frames": 81,
-        "height": 720,
-        "width": 1280,
-        "num_inference_steps": 40,
-        "guidance_scale": 4.0,
-        "guidance_scale_2": 3.0,
-        "boundary_ratio": 0.875,
-        "fps": 16,
-    },
-    description="Wan2.2 text-to-video, two experts: high-noise (transformer) then low-noise (transformer_2)",
-    experts=2,
-)
-WAN22_I2V_A14B = ModelFamily(
-    name="Wan2.2 I2V-A14B",
-    class_names=("WanImageToVideoPipeline",),
-    pipeline="wan22_i2v_a14b",
-    components=("transformer", "transformer_2", *_T5),
-    defaults={
-        "num_frames": 81,
-        "height": 720,
-        "width": 1280,
-        "num_inference_steps": 40,
-        "guidance_scale": 3.5,
-        "guidance_scale_2": 3.5,
-        "boundary_ratio": 0.9,
-        "fps": 16,
-    },
-    description="Wan2.2 image-to-video, two experts, first-frame latents with a mask (no CLIP)",
-    image=IMAGE_REQUIRED,
-    experts=2,
-)
-WAN22_TI2V_5B = ModelFamily(
-    name="Wan2.2 TI2V-5B",
-    class_names=("WanPipeline", "WanImageToVideoPipeline"),
-    pipeline="wan22_ti2v_5b",
-    components=("transformer", *_T5),
-    defaults={
-        "num_frames": 121,
-        "height": 704,
-        "width": 1280,
-        "num_inference_steps": 50,
-        "guidance_scale": 5.0,
-        "fps": 24,
-    },
-    description="Wan2.2 text- and image-to-video in one model: per-token timesteps, the Wan2.2 VAE (z_dim 48)",
-    image=IMAGE_OPTIONAL,
-    expand_timesteps=True,
-)
-
-FAMILIES: tuple[ModelFamily, ...] = (
-    WAN_T2V,
-    WAN_I2V,
-    WAN22_T2V_A14B,
-    WAN22_I2V_A14B,
-    WAN22_TI2V_5B,
-    HUNYUAN15_T2V,
-    HUNYUAN15_I2V,
-)
-SUPPORTED_CLASSES: tuple[str, ...] = tuple(dict.fromkeys(name for fam in FAMILIES for name in fam.class_names))
 DEFAULTS_FILE = "distvideo_defaults.json"
 
 
@@ -206,10 +102,10 @@ class ModelInfo:
             from distvideo.images import load_image
 
             filled = dataclasses.replace(filled, image=load_image(filled.image, n.label("image")))
-            if self.family.size_from_image and request.height is None and request.width is None:
+            sized = self.family.size_for_image
+            if sized is not None and request.height is None and request.width is None:
                 rows, cols = filled.image.shape[:2]
-                target = int(self.transformer_config.get("target_size", 640))
-                height, width = image_size_bucket(rows, cols, target)
+                height, width = sized(rows, cols, self.transformer_config)
                 filled = dataclasses.replace(filled, height=height, width=width)
         return filled
 
@@ -219,7 +115,7 @@ class ModelInfo:
         if request.image is not None and family.image == IMAGE_NONE:
             raise ConfigError(
                 f"{n.label('image')}: {what}, a text-to-video model that takes no image; drop {n.label('image')}, or "
-                "use an image-to-video checkpoint (Wan2.1 I2V, Wan2.2 I2V-A14B, Wan2.2 TI2V-5B or HunyuanVideo 1.5 I2V)",
+                f"use an image-to-video checkpoint ({', '.join(f.name for f in registered_families() if f.takes_image)})",
                 param="image",
             )
         if request.image is None and family.image == IMAGE_REQUIRED:
@@ -238,7 +134,7 @@ class ModelInfo:
                 )
 
 
-def _read_json(path: Path, what: str) -> dict[str, Any]:
+def read_checkpoint_json(path: Path, what: str) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
@@ -260,6 +156,11 @@ def _component_present(index: dict[str, Any], name: str) -> bool:
     return isinstance(entry, list) and len(entry) == 2 and all(isinstance(x, str) for x in entry)
 
 
+def supported_classes() -> tuple[str, ...]:
+    """The `_class_name`s of the registered families, in registration order."""
+    return tuple(dict.fromkeys(name for fam in registered_families() for name in fam.class_names))
+
+
 def checkpoint_traits(index: dict[str, Any]) -> tuple[int, bool, bool]:
     """(experts, expand_timesteps, image encoder) as a checkpoint's model_index.json says them."""
     experts = 2 if _component_present(index, "transformer_2") else 1
@@ -268,11 +169,11 @@ def checkpoint_traits(index: dict[str, Any]) -> tuple[int, bool, bool]:
 
 def family_for(class_name: str, index: dict[str, Any] | None = None) -> ModelFamily:
     """The family of a checkpoint: its `_class_name` and the traits its model_index.json shows."""
-    candidates = [fam for fam in FAMILIES if class_name in fam.class_names]
+    candidates = [fam for fam in registered_families() if class_name in fam.class_names]
     if not candidates:
         raise ConfigError(
             f"--model: model_index.json has _class_name={class_name!r}, which distvideo does not run yet; "
-            f"supported: {', '.join(SUPPORTED_CLASSES)}"
+            f"supported: {', '.join(supported_classes())}"
         )
     traits = checkpoint_traits(index or {})
     for fam in candidates:
@@ -305,7 +206,7 @@ def probe_model(path: str | Path) -> ModelInfo:
             f"--model {path}: not a diffusers checkpoint (no model_index.json); download one with e.g. "
             "`hf download Wan-AI/Wan2.1-T2V-1.3B-Diffusers --local-dir <folder>`"
         )
-    index = _read_json(root / "model_index.json", "file")
+    index = read_checkpoint_json(root / "model_index.json", "file")
     class_name = index.get("_class_name")
     if not isinstance(class_name, str):
         raise ConfigError(f"--model {path}: model_index.json has no _class_name")
@@ -315,8 +216,8 @@ def probe_model(path: str | Path) -> ModelInfo:
             raise ConfigError(f"--model {path}: model_index.json lacks the component '{comp}' ([library, class])")
         if not (root / comp).is_dir():
             raise ConfigError(f"--model {path}: component folder '{comp}/' is missing")
-    vae_cfg = _read_json(root / "vae" / "config.json", "VAE config")
-    tr_cfgs = [_read_json(root / name / "config.json", f"{name} config") for name in family.transformers]
+    vae_cfg = read_checkpoint_json(root / "vae" / "config.json", "VAE config")
+    tr_cfgs = [read_checkpoint_json(root / name / "config.json", f"{name} config") for name in family.transformers]
     scale_spatial, scale_temporal = _vae_factors(vae_cfg)
     if family.image_encoder and tr_cfgs[0].get("pos_embed_seq_len"):
         raise ConfigError(
@@ -326,7 +227,7 @@ def probe_model(path: str | Path) -> ModelInfo:
     patch = _patch_size(tr_cfgs[0])
     defaults = _family_defaults(family, index, root, tr_cfgs[0])
     if (root / DEFAULTS_FILE).is_file():
-        extra = _read_json(root / DEFAULTS_FILE, "defaults")
+        extra = read_checkpoint_json(root / DEFAULTS_FILE, "defaults")
         unknown = set(extra) - set(defaults) - set(CACHE_DEFAULT_KEYS) - set(SCHEDULE_KEYS)
         if unknown:
             raise ConfigError(f"--model {path}: {DEFAULTS_FILE} has unknown keys {sorted(unknown)}")
@@ -349,7 +250,7 @@ def probe_model(path: str | Path) -> ModelInfo:
         transformer_config=tr_cfgs[0],
         vae_config=vae_cfg,
         cache_ratios=read_ratios(root),
-        scheduler_config=_read_json(root / "scheduler" / "scheduler_config.json", "scheduler config"),
+        scheduler_config=read_checkpoint_json(root / "scheduler" / "scheduler_config.json", "scheduler config"),
     )
 
 
@@ -381,14 +282,12 @@ def _patch_size(tr_cfg: dict[str, Any]) -> tuple[int, int, int]:
 def _family_defaults(
     family: ModelFamily, index: dict[str, Any], root: Path, transformer: dict[str, Any]
 ) -> dict[str, Any]:
-    """The family's documented request defaults, with what the checkpoint itself says (its boundary_ratio, the
-    guidance scale of its guider, HunyuanVideo's size for its target size)."""
+    """The family's documented request defaults, with what the checkpoint itself says (a two-expert model's
+    boundary_ratio; whatever the family reads from its own files, such as HunyuanVideo's guider and target size)."""
     defaults = dict(family.defaults)
     ratio = index.get("boundary_ratio")
     if family.experts == 2 and isinstance(ratio, (int, float)) and not isinstance(ratio, bool):
         defaults["boundary_ratio"] = float(ratio)
-    if "guider" in family.components:
-        defaults.update(guider_defaults(root, _read_json(root / "guider" / "guider_config.json", "guider config")))
-    if "target_size" in transformer:  # HunyuanVideo: diffusers' 16:9 bucket of it (480 x 848 at 640, 720p at 960)
-        defaults["height"], defaults["width"] = image_size_bucket(9, 16, int(transformer["target_size"]))
+    if family.checkpoint_defaults is not None:
+        defaults.update(family.checkpoint_defaults(root, index, transformer))
     return defaults

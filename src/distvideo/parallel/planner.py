@@ -19,7 +19,6 @@ from pathlib import Path
 from distvideo import envs
 from distvideo.config import EngineConfig
 from distvideo.errors import ConfigError
-from distvideo.models.flops import HUNYUAN15_TOKENS
 from distvideo.models.memory import estimate_request
 from distvideo.models.registry import ModelInfo
 from distvideo.parallel.autolayout import Hardware, ModelFigures, Plan, RequestFigures, plan_layout
@@ -29,7 +28,6 @@ from distvideo.request import GenerationRequest, is_guided
 #: the options that make a layout explicit: any of them given, the rules of parallel/layout.py fill the rest
 LAYOUT_OPTIONS = ("sp_size", "ulysses_size", "ring_size", "cfg_parallel", "replicas", "shard_weights")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-WAN_TEXT_TOKENS = 512  # the pipeline pads the prompt to max_sequence_length
 _SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1}
 _BLOCK = re.compile(r"^(.*?blocks\.\d+)\.")
 
@@ -139,7 +137,6 @@ def model_figures(
     heads = int(cfg.get("num_attention_heads", model.num_attention_heads))
     text_bytes = 1 if quantize_text_encoder not in (None, "none") else dtype_bytes
     text = sum(_params(model, name) for name in ("text_encoder", "text_encoder_2")) * text_bytes
-    hunyuan = model.family.pipeline.startswith("hunyuan")
     return ModelFigures(
         heads=model.num_attention_heads,
         layers=int(cfg.get("num_layers", 1)),
@@ -150,7 +147,7 @@ def model_figures(
         text_encoder_bytes=text if text_on_device else 0,
         other_bytes=_params(model, "vae") * 4 + _params(model, "image_encoder") * 4,
         dtype_bytes=dtype_bytes,
-        text_tokens=sum(HUNYUAN15_TOKENS.values()) if hunyuan else WAN_TEXT_TOKENS,
+        text_tokens=model.family.text_tokens,
         weight_bytes=1 if quantize not in (None, "none") else 0,
     )
 

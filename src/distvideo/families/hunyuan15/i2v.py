@@ -9,11 +9,8 @@ from typing import Any
 
 import torch
 
+from distvideo.families.hunyuan15.t2v import HunyuanBatch, HunyuanVideo15T2VPipeline
 from distvideo.models import compat
-from distvideo.pipelines.control import StepControl
-from distvideo.pipelines.hunyuan15 import HunyuanBatch, HunyuanVideo15T2VPipeline
-from distvideo.pipelines.wan import WanBatch
-from distvideo.request import GenerationRequest, is_guided
 
 
 class HunyuanVideo15I2VPipeline(HunyuanVideo15T2VPipeline):
@@ -27,8 +24,8 @@ class HunyuanVideo15I2VPipeline(HunyuanVideo15T2VPipeline):
         self.video_processor = HunyuanVideo15ImageProcessor(vae_scale_factor=self.model.vae_scale_spatial)
 
     @torch.no_grad()
-    def condition_on_image(self, batch: WanBatch) -> None:
-        assert isinstance(batch, HunyuanBatch) and batch.latents is not None
+    def condition(self, batch: HunyuanBatch) -> None:
+        assert batch.latents is not None
         condition, image_embeds = self.computed_once(lambda: self._image_condition(batch))
         batch.condition, batch.image_embeds = condition, image_embeds
 
@@ -52,19 +49,3 @@ class HunyuanVideo15I2VPipeline(HunyuanVideo15T2VPipeline):
         mask = torch.zeros(b, 1, frames, rows, cols, dtype=dtype, device=self.device)
         mask[:, :, 0] = 1.0
         return [torch.cat([latents.to(self.device, dtype), mask], dim=1), embeds]
-
-    def __call__(self, request: GenerationRequest, control: StepControl | None = None) -> WanBatch:
-        assert request.guidance_scale is not None
-        batch = HunyuanBatch(request=request, do_cfg=is_guided(request))
-        return self.run_stages(
-            batch,
-            [
-                ("text_encoding", self.encode_text),
-                ("timesteps", self.prepare_timesteps),
-                ("latents", self.prepare_latents),
-                ("conditioning", self.condition_on_image),
-                ("denoising", self.denoise_stage(control)),
-                ("decoding", self.decode),
-                ("frames", self.to_frames),
-            ],
-        )

@@ -1,22 +1,22 @@
-"""Wan2.1 image-to-video as explicit stages: the Wan2.1 stages plus the image conditioning.
+"""Wan2.1 image-to-video: the Wan2.1 stages plus the image conditioning.
 
 encode text -> encode the image with CLIP -> timesteps -> noise -> condition (the first frame through the VAE, and a
 mask marking it as given) -> denoise (each step sees the noise latents with the condition latents stacked on its
 channels, and cross-attends to the CLIP image tokens before the text) -> VAE decode -> frames.
 
 The arithmetic follows diffusers' WanImageToVideoPipeline step for step. Wan2.2 I2V-A14B runs the same stages
-without CLIP, with its two experts (pipelines/wan22_a14b.py).
+without CLIP, with its two experts (a14b.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-from torch import nn
 
-from distvideo.models.registry import ModelInfo
+from distvideo.families.wan.t2v import WanT2VPipeline
+from distvideo.pipelines.base import Batch, Stage
 from distvideo.pipelines.conditioning import (
     clip_image_tokens,
     condition_latents,
@@ -26,16 +26,11 @@ from distvideo.pipelines.conditioning import (
     vae_image,
 )
 from distvideo.pipelines.control import StepControl
-from distvideo.pipelines.stages import StagedWanPipeline
-from distvideo.pipelines.wan import WanBatch
 from distvideo.request import GenerationRequest, is_guided
-
-if TYPE_CHECKING:
-    from distvideo.parallel.context import ParallelContext
 
 
 @dataclass
-class ImageBatch(WanBatch):
+class ImageBatch(Batch):
     """A request's state with its image conditioning."""
 
     image: Any = None  # the request's image as a PIL image
@@ -43,40 +38,28 @@ class ImageBatch(WanBatch):
     condition: torch.Tensor | None = None  # mask channels + condition latents, stacked on the noise channels
 
 
-class WanI2VPipeline(StagedWanPipeline):
+class WanI2VPipeline(WanT2VPipeline):
     """Wan2.1 I2V (and, with its expert switch, Wan2.2 I2V-A14B): Wan2.1's stages with the image conditioning."""
 
-    def __init__(
-        self,
-        components: dict[str, Any],
-        device: torch.device,
-        model: ModelInfo,
-        *,
-        show_progress: bool = True,
-        parallel: ParallelContext | None = None,
-        offload: str = "none",
-        offload_experts: bool | None = None,
-    ):
-        super().__init__(components, device, model, show_progress=show_progress, parallel=parallel, offload=offload)
+    def __init__(self, components: dict[str, Any], device: torch.device, *args: Any, **kwargs: Any):
+        super().__init__(components, device, *args, **kwargs)
         self.image_processor = components.get("image_processor")
 
-    def __call__(self, request: GenerationRequest, control: StepControl | None = None) -> WanBatch:
-        """Run the stages for a resolved request (its image read into a uint8 array)."""
-        assert request.guidance_scale is not None and request.image is not None
-        batch = ImageBatch(request=request, do_cfg=is_guided(request), image=pil_image(request.image))
-        return self.run_stages(
-            batch,
-            [
-                ("text_encoding", self.encode_text),
-                ("image_encoding", self.encode_image),
-                ("timesteps", self.prepare_timesteps),
-                ("latents", self.prepare_latents),
-                ("conditioning", self.condition_on_first_frame),
-                ("denoising", self.denoise_stage(control)),
-                ("decoding", self.decode),
-                ("frames", self.to_frames),
-            ],
-        )
+    def new_batch(self, request: GenerationRequest) -> ImageBatch:
+        assert request.image is not None  # resolved: the family requires one
+        return ImageBatch(request=request, do_cfg=is_guided(request), image=pil_image(request.image))
+
+    def stages(self, control: StepControl | None) -> list[Stage]:
+        return [
+            ("text_encoding", self.encode_text),
+            ("image_encoding", self.encode_image),
+            ("timesteps", self.prepare_timesteps),
+            ("latents", self.prepare_latents),
+            ("conditioning", self.condition_on_first_frame),
+            ("denoising", self.denoise_stage(control)),
+            ("decoding", self.decode),
+            ("frames", self.to_frames),
+        ]
 
     # -- the image conditioning (computed on rank 0 and broadcast under a parallel layout) ---------------------
     @torch.no_grad()
@@ -108,12 +91,7 @@ class WanI2VPipeline(StagedWanPipeline):
         return torch.concat([mask, latents], dim=1)
 
     # -- one step --------------------------------------------------------------------------------------------------
-    def denoiser_at(self, t: torch.Tensor, batch: WanBatch) -> tuple[nn.Module, float]:
-        """The transformer for step `t` and its guidance scale (one transformer here; Wan2.2 A14B switches)."""
-        assert batch.request.guidance_scale is not None
-        return self.transformer, batch.request.guidance_scale
-
-    def predict_noise(self, latents: torch.Tensor, t: torch.Tensor, batch: WanBatch) -> torch.Tensor:
+    def predict_noise(self, latents: torch.Tensor, t: torch.Tensor, batch: Batch) -> torch.Tensor:
         assert isinstance(batch, ImageBatch) and batch.condition is not None
         model, scale = self.denoiser_at(t, batch)
         model_input = torch.cat([latents, batch.condition], dim=1).to(self.transformer.dtype)

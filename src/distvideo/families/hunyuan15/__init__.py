@@ -1,5 +1,6 @@
 """HunyuanVideo 1.5, declared: its registry entries (model_index.json classes, components, request defaults), the
-image-to-video size rule and what its checkpoint's guider may say. The pipeline is pipelines/hunyuan15.py; the shared machinery does the rest."""
+image-to-video size rule and what its checkpoint's guider may say; registered on import. The pipelines are t2v.py and
+i2v.py; the shared machinery does the rest."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from distvideo.errors import ConfigError
-from distvideo.models.family import IMAGE_REQUIRED, CachePoints, ModelFamily
+from distvideo.models.family import IMAGE_REQUIRED, CachePoints, ModelFamily, register_family
+from distvideo.models.flops import HUNYUAN15_TOKENS
 
 # HunyuanVideo 1.5: diffusers' HunyuanVideo15Pipeline defaults (121 frames, 50 steps, the 16:9 bucket of the
 # transformer's target size: 480 x 848 for the 480p models' 640, 720 x 1280 for 960; probe_model reads it), 24 fps as
@@ -35,33 +37,6 @@ _DEFAULTS = {
 _FULL_PRECISION = ("x_embedder", "image_embedder", "context_embedder", "time_embed", "norm", "^proj_out$")
 #: the step cache's points: the dual-stream (MMDiT) blocks, whose text stream passes through a skipped step
 _CACHE_POINTS = CachePoints("transformer_blocks", text_stream=True)
-HUNYUAN15_T2V = ModelFamily(
-    name="HunyuanVideo 1.5 T2V",
-    class_names=("HunyuanVideo15Pipeline",),
-    pipeline="hunyuan15_t2v",
-    components=_COMPONENTS,
-    defaults=_DEFAULTS,
-    description="HunyuanVideo 1.5 text-to-video (Qwen2.5-VL and ByT5 text, dual-stream transformer, 16x VAE)",
-    compact_text=False,
-    full_precision=_FULL_PRECISION,
-    cache_points=_CACHE_POINTS,
-)
-# Image-to-video: as diffusers' HunyuanVideo15ImageToVideoPipeline, the size is the bucket of the image's aspect ratio
-# at the transformer's target size (480 x 848 stands for it until the image is read); a request may set its own.
-HUNYUAN15_I2V = ModelFamily(
-    name="HunyuanVideo 1.5 I2V",
-    class_names=("HunyuanVideo15ImageToVideoPipeline",),
-    pipeline="hunyuan15_i2v",
-    components=(*_COMPONENTS, "image_encoder", "feature_extractor"),
-    defaults=_DEFAULTS,
-    description="HunyuanVideo 1.5 image-to-video: SigLIP image tokens, first-frame latents with a mask",
-    image=IMAGE_REQUIRED,
-    image_encoder=True,
-    compact_text=False,
-    size_from_image=True,
-    full_precision=_FULL_PRECISION,
-    cache_points=_CACHE_POINTS,
-)
 
 
 def image_size_bucket(image_height: int, image_width: int, target_size: int) -> tuple[int, int]:
@@ -91,3 +66,56 @@ def guider_defaults(root: Path, guider: dict[str, Any]) -> dict[str, Any]:
     if isinstance(scale, (int, float)) and not isinstance(scale, bool):
         return {"guidance_scale": float(scale)}
     return {}
+
+
+def _checkpoint_defaults(root: Path, index: dict[str, Any], transformer: dict[str, Any]) -> dict[str, Any]:
+    """Its guider's scale, and the size: diffusers' 16:9 bucket of the transformer's target size (480 x 848 at 640,
+    720p at 960)."""
+    from distvideo.models.registry import read_checkpoint_json
+
+    defaults = guider_defaults(root, read_checkpoint_json(root / "guider" / "guider_config.json", "guider config"))
+    if "target_size" in transformer:
+        defaults["height"], defaults["width"] = image_size_bucket(9, 16, int(transformer["target_size"]))
+    return defaults
+
+
+def _size_for_image(rows: int, cols: int, transformer: dict[str, Any]) -> tuple[int, int]:
+    return image_size_bucket(rows, cols, int(transformer.get("target_size", 640)))
+
+
+#: what a step attends to besides the video: the Qwen2.5-VL and ByT5 tokens and the image tokens (all computed)
+_TEXT_TOKENS = sum(HUNYUAN15_TOKENS.values())
+HUNYUAN15_T2V = ModelFamily(
+    name="HunyuanVideo 1.5 T2V",
+    class_names=("HunyuanVideo15Pipeline",),
+    pipeline="distvideo.families.hunyuan15.t2v:HunyuanVideo15T2VPipeline",
+    components=_COMPONENTS,
+    defaults=_DEFAULTS,
+    description="HunyuanVideo 1.5 text-to-video (Qwen2.5-VL and ByT5 text, dual-stream transformer, 16x VAE)",
+    compact_text=False,
+    full_precision=_FULL_PRECISION,
+    cache_points=_CACHE_POINTS,
+    checkpoint_defaults=_checkpoint_defaults,
+    text_tokens=_TEXT_TOKENS,
+)
+# Image-to-video: as diffusers' HunyuanVideo15ImageToVideoPipeline, the size is the bucket of the image's aspect ratio
+# at the transformer's target size (480 x 848 stands for it until the image is read); a request may set its own.
+HUNYUAN15_I2V = ModelFamily(
+    name="HunyuanVideo 1.5 I2V",
+    class_names=("HunyuanVideo15ImageToVideoPipeline",),
+    pipeline="distvideo.families.hunyuan15.i2v:HunyuanVideo15I2VPipeline",
+    components=(*_COMPONENTS, "image_encoder", "feature_extractor"),
+    defaults=_DEFAULTS,
+    description="HunyuanVideo 1.5 image-to-video: SigLIP image tokens, first-frame latents with a mask",
+    image=IMAGE_REQUIRED,
+    image_encoder=True,
+    compact_text=False,
+    size_for_image=_size_for_image,
+    full_precision=_FULL_PRECISION,
+    cache_points=_CACHE_POINTS,
+    checkpoint_defaults=_checkpoint_defaults,
+    text_tokens=_TEXT_TOKENS,
+)
+
+
+register_family(HUNYUAN15_T2V, HUNYUAN15_I2V)

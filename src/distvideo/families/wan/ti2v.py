@@ -1,4 +1,4 @@
-"""Wan2.2 TI2V-5B as explicit stages: one model for text- and image-to-video, with a timestep per token.
+"""Wan2.2 TI2V-5B: one model for text- and image-to-video, with a timestep per token.
 
 encode text -> timesteps -> noise -> condition (with an image: the image alone through the Wan2.2 VAE, to stand in
 for the first latent frame) -> denoise (each step gives every token its own timestep: t for the frames being
@@ -15,40 +15,38 @@ from dataclasses import dataclass
 
 import torch
 
+from distvideo.families.wan.t2v import WanT2VPipeline
+from distvideo.pipelines.base import Batch, Stage
 from distvideo.pipelines.conditioning import condition_latents, pil_image, vae_image
 from distvideo.pipelines.control import StepControl
-from distvideo.pipelines.stages import StagedWanPipeline
-from distvideo.pipelines.wan import WanBatch
 from distvideo.request import GenerationRequest, is_guided
 
 
 @dataclass
-class TokenTimestepBatch(WanBatch):
+class TokenTimestepBatch(Batch):
     """A request's state with its per-token timestep mask and, for image-to-video, the first frame's latents."""
 
     mask: torch.Tensor | None = None  # (1, 1, F, h, w) float32 latents grid: 0 where the frame is given, else 1
     condition: torch.Tensor | None = None  # (1, C, 1, h, w) latents of the given first frame, None for text-to-video
 
 
-class Wan22TI2VPipeline(StagedWanPipeline):
+class Wan22TI2VPipeline(WanT2VPipeline):
     """Wan2.2 TI2V-5B: text-to-video, or image-to-video when the request has an image."""
 
-    def __call__(self, request: GenerationRequest, control: StepControl | None = None) -> WanBatch:
-        assert request.guidance_scale is not None
-        batch = TokenTimestepBatch(request=request, do_cfg=is_guided(request))
-        return self.run_stages(
-            batch,
-            [
-                ("text_encoding", self.encode_text),
-                ("timesteps", self.prepare_timesteps),
-                ("latents", self.prepare_latents),
-                ("conditioning", self.condition_on_image),
-                ("denoising", self.denoise_stage(control)),
-                ("first_frame", self.restore_first_frame),
-                ("decoding", self.decode),
-                ("frames", self.to_frames),
-            ],
-        )
+    def new_batch(self, request: GenerationRequest) -> TokenTimestepBatch:
+        return TokenTimestepBatch(request=request, do_cfg=is_guided(request))
+
+    def stages(self, control: StepControl | None) -> list[Stage]:
+        return [
+            ("text_encoding", self.encode_text),
+            ("timesteps", self.prepare_timesteps),
+            ("latents", self.prepare_latents),
+            ("conditioning", self.condition_on_image),
+            ("denoising", self.denoise_stage(control)),
+            ("first_frame", self.restore_first_frame),
+            ("decoding", self.decode),
+            ("frames", self.to_frames),
+        ]
 
     @torch.no_grad()
     def condition_on_image(self, batch: TokenTimestepBatch) -> None:
@@ -71,7 +69,7 @@ class Wan22TI2VPipeline(StagedWanPipeline):
         with self.offload.on_device("vae"):  # on the rank that computes it
             return condition_latents(self.vae, image.unsqueeze(2), self._latents_mean, self._latents_std)
 
-    def predict_noise(self, latents: torch.Tensor, t: torch.Tensor, batch: WanBatch) -> torch.Tensor:
+    def predict_noise(self, latents: torch.Tensor, t: torch.Tensor, batch: Batch) -> torch.Tensor:
         assert isinstance(batch, TokenTimestepBatch) and batch.mask is not None
         mask = batch.mask
         if batch.condition is not None:  # the given first frame replaces the noisy one
