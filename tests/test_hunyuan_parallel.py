@@ -1,5 +1,5 @@
 """HunyuanVideo 1.5 on the parallel layouts, mp executor, two CPU ranks (gloo): CFG parallelism (cfg=2), Ulysses
-(sp=2: the joint-attention processor of parallel/ulysses_joint.py, 45 video tokens, so one padded token) and ring
+(sp=2: the joint-attention processor of families/hunyuan15/attention.py, 45 video tokens, so one padded token) and ring
 attention (ring=2: the valid text keys merged with the ring's video blocks) give frames within 2 (uint8) of inline,
 and the plans and collectives that ran are the declared ones."""
 

@@ -1,4 +1,5 @@
-"""The banded VAE decode plan refuses a decoder it cannot prove row-local, before changing anything."""
+"""The banded VAE decode plan refuses a decoder it cannot prove row-local, before changing anything; a VAE its family
+declares no bands for is decoded whole on one rank."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from distvideo.families.wan.vae import apply_wan_bands
 from distvideo.parallel.vae import BandedVaeDecoder
 
 
@@ -24,6 +26,10 @@ def test_an_unknown_decoder_module_is_refused_and_nothing_is_patched():
     plan = BandedVaeDecoder(
         group_for=lambda size: pytest.fail("no process group may be asked for"), rank=0, world_size=2
     )
+    plan.apply(vae)  # no declaration (ParallelContext.plans sets the family's): nothing patched, one rank decodes
+    assert plan.banded is False and not any("forward" in vars(m) for m in vae.decoder.modules())
+    plan.bands = apply_wan_bands  # Wan's declaration (families/wan/)
+    plan.banded = True
     with pytest.raises(NotImplementedError, match=r"\['MysteryMix'\] are local in rows; decode on one rank"):
         plan.apply(vae)
     assert not any({"forward", "_conv_forward"} & set(vars(m)) for m in vae.decoder.modules()), "half-applied"

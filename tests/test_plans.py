@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from distvideo import VideoGenerator
+from distvideo.families.wan.t2v import WanT2VPipeline
 from distvideo.models.plans import (
     CpuKernelsPlan,
     PlanRegistry,
@@ -129,10 +130,17 @@ def test_a_name_is_applied_once(components):
     remove_plan(transformer, "text-padding")
 
 
+def _wan_ulysses(size: int) -> UlyssesPlan:
+    """A Ulysses plan over `size` ranks (no group: it never runs) at Wan's declared hook points."""
+    plan = UlyssesPlan(None, size, 0)
+    plan.points = WanT2VPipeline.parallel_points.sequence
+    return plan
+
+
 @pytest.mark.parametrize(
     "failing",
     [
-        UlyssesPlan(None, 3, 0),  # 3 does not divide the tiny model's 4 heads: refused inside apply
+        _wan_ulysses(3),  # 3 does not divide the tiny model's 4 heads: refused inside apply
         TextPaddingPlan(),  # the same name twice in one list: refused by the registry
     ],
     ids=["apply-raises", "duplicate-name"],
@@ -157,7 +165,7 @@ def test_apply_plans_returns_the_names_and_their_undo(components):
     }
     remove_plan(components["vae"], "cpu-kernels")  # removed by name first: the undo skips it
     assert applied.names() == {"transformer": ["text-padding", "text-projection-memo", "cpu-kernels"]}
-    apply_plan(components["transformer"], UlyssesPlan(None, 2, 0))  # a later plan on top of them
+    apply_plan(components["transformer"], _wan_ulysses(2))  # a later plan on top of them
     applied()  # removes it too: it cannot stay without the plans under it
     assert applied.names() == {}
     assert {name: _state(module) for name, module in components.items()} == loaded

@@ -38,7 +38,7 @@ from distvideo.outputs import ItemOutcome, WorkerOutput
 from distvideo.parallel.collectives import collective
 from distvideo.parallel.shard import gathered_bytes
 from distvideo.parallel.vae import decode_band_count
-from distvideo.pipelines.base import Pipeline, record_per_step_denoising
+from distvideo.pipelines.base import DenoisingPipeline, Pipeline, record_per_step_denoising
 from distvideo.pipelines.control import StepControl
 from distvideo.request import GenerationRequest
 
@@ -96,10 +96,12 @@ def rendezvous_store(init_method: str, rank: int, world_size: int, timeout: time
     return torch.distributed.PrefixStore(f"distvideo/pg{_process_groups_created}/", store)
 
 
-def pipeline_class(family: ModelFamily) -> Callable[..., Pipeline]:
+def pipeline_class(family: ModelFamily) -> type[DenoisingPipeline]:
     """The pipeline class a family names ("module:Class", in its own package under distvideo/families/)."""
     module, _, name = family.pipeline.partition(":")
-    cls: Callable[..., Pipeline] = getattr(importlib.import_module(module), name)
+    cls = getattr(importlib.import_module(module), name)
+    if not (isinstance(cls, type) and issubclass(cls, DenoisingPipeline)):
+        raise TypeError(f"{family.name}: {family.pipeline} is not a pipelines.base.DenoisingPipeline")
     return cls
 
 
@@ -181,6 +183,7 @@ class Worker:
         from distvideo.pipelines.caching import cache_plans
 
         model = self.model_info
+        pipeline = pipeline_class(model.family)  # its package's modules: the pipeline and its parallel declarations
         ringed = dataclasses.replace(self.config, ring_size=self.engine.layout.ring_size)
         check_support(ringed, DeviceKind.of(self.device))  # a Ray driver may not see the ranks' devices
         dtypes = component_dtypes(self.device, self.config.dtype)
@@ -190,7 +193,7 @@ class Worker:
         self.weights = quantize_components(components, model.family, self.config, dtypes)
         set_attention_backend(components, transformers, self.config.attention or "sdpa")
         plans = [
-            *(self.parallel.plans(transformers) if self.parallel is not None else []),
+            *(self.parallel.plans(transformers, pipeline.parallel_points) if self.parallel is not None else []),
             *speed_plans(self.config, model, sp_size=self.engine.layout.sp_size),
         ]
         plans += cache_plans(model.family, compiled=any(plan.name == "compile" for plan in plans))
@@ -198,7 +201,7 @@ class Worker:
             plans += self.parallel.shard_plans(self.config.shard_weights or "none", components, transformers)
         self._undo_plans = apply_plans(components, plans)
         self._gathered_bytes = max(gathered_bytes(components[name]) for name in transformers)
-        self.pipeline = pipeline_class(model.family)(
+        self.pipeline = pipeline(
             components,
             self.device,
             model,

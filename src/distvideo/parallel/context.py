@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -19,10 +20,20 @@ from distvideo.parallel.collectives import broadcast_tensors
 from distvideo.parallel.groups import ParallelGroups
 from distvideo.parallel.layout import ParallelLayout
 from distvideo.parallel.ring import RingAttention
-from distvideo.parallel.ulysses import UlyssesPlan
-from distvideo.parallel.vae import MIN_BAND_ROWS, BandedVaeDecoder
+from distvideo.parallel.ulysses import SequencePoints, UlyssesPlan
+from distvideo.parallel.vae import MIN_BAND_ROWS, BandedVaeDecoder, VaeBands
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ParallelDeclarations:
+    """What a family declares for the parallel plans (its pipeline class's `parallel_points`): where Ulysses hooks its
+    transformer (None: sequence parallelism refused when the plan applies) and how its VAE is banded (None: decoded
+    whole on the replica's first rank)."""
+
+    sequence: SequencePoints | None = None
+    vae_bands: VaeBands | None = None
 
 
 class ParallelContext:
@@ -52,17 +63,20 @@ class ParallelContext:
         """Create the layout's process groups (collective: every rank calls it, once)."""
         return cls(ParallelGroups.create(layout, device_type=device.type, timeout=timeout), device=device)
 
-    def plans(self, transformers: Sequence[str] = ("transformer",)) -> list[ModulePlan]:
-        """Ulysses on every denoising transformer (sp > 1; a second expert gets its own plan, counting into the
-        first's counters) with the text-projection memo (SP does not split the text side of cross-attention: project
-        it once per request, not once per step), and the banded decode on the VAE."""
+    def plans(self, transformers: Sequence[str], declared: ParallelDeclarations) -> list[ModulePlan]:
+        """Ulysses on every denoising transformer at the family's declared points (sp > 1; a second expert gets its
+        own plan, counting into the first's counters) with the text-projection memo (SP does not split the text side
+        of cross-attention: project it once per request, not once per step), and the banded decode on the VAE as the
+        family declares it."""
         plans: list[ModulePlan] = []
         if self.ulysses is not None:
             for name in transformers:
                 ulysses = self.ulysses
                 if name != ulysses.component:
                     ulysses = self._sequence_plan(name, self.ulysses)
+                ulysses.points = declared.sequence
                 plans += [ulysses, TextProjectionMemo(self.counts, component=name)]
+        self.vae_decoder.bands = declared.vae_bands
         plans.append(self.vae_decoder)
         return plans
 

@@ -1,7 +1,7 @@
-"""Ulysses sequence parallelism for diffusers' WanTransformer3DModel, applied as a plan to the loaded module (and, by
-the declarations of `SEQUENCE_POINTS`, to HunyuanVideo15Transformer3DModel, whose joint attention is
-parallel/ulysses_joint.py's). What follows describes Wan's hook points; HunyuanVideo's are the same on its
-``transformer_blocks`` and ``attn``.
+"""Ulysses sequence parallelism, applied as a plan to a loaded diffusers transformer at the hook points its family
+declares (`SequencePoints`: families/wan/ for WanTransformer3DModel's ``blocks`` and ``attn1`` with
+`UlyssesAttnProcessor`; families/hunyuan15/ for HunyuanVideo15Transformer3DModel's ``transformer_blocks`` and ``attn``
+with its joint-attention processor). What follows describes Wan's hook points.
 
 The model file stays untouched (as torchtitan keeps `parallelize.py` apart from `model.py`); hooks and one attention
 processor change what flows through it:
@@ -187,29 +187,6 @@ class SequencePoints:
         return p_t, p_h, p_w
 
 
-def _joint_processor(plan: UlyssesPlan, backend: Any) -> Any:
-    from distvideo.parallel.ulysses_joint import JointUlyssesAttnProcessor
-
-    return JointUlyssesAttnProcessor(plan, backend)
-
-
-#: The declarations, by diffusers transformer class: Wan's attn1 (cross-attention stays local), HunyuanVideo 1.5's
-#: joint attention (text and video tokens together, parallel/ulysses_joint.py).
-SEQUENCE_POINTS: dict[str, SequencePoints] = {
-    "WanTransformer3DModel": SequencePoints("blocks", "attn1", lambda p, b: UlyssesAttnProcessor(p, b), 1, True),
-    "HunyuanVideo15Transformer3DModel": SequencePoints("transformer_blocks", "attn", _joint_processor, 0, True),
-}
-
-
-def sequence_points(transformer: Any) -> SequencePoints:
-    name = type(transformer).__name__
-    if name not in SEQUENCE_POINTS:
-        raise NotImplementedError(
-            f"sequence parallelism does not know {name}; it serves {', '.join(SEQUENCE_POINTS)}: run it with sp_size=1"
-        )
-    return SEQUENCE_POINTS[name]
-
-
 # --- the plan -------------------------------------------------------------------------------------------------------
 
 
@@ -240,6 +217,7 @@ class UlyssesPlan:
         if sp_size < 2:
             raise ValueError(f"Ulysses needs sp_size >= 2, got {sp_size}")
         self.component = component
+        self.points: SequencePoints | None = None  # the family's declaration, set by ParallelContext.plans
         self.group = group
         self.sp_size = sp_size
         self.sp_rank = sp_rank
@@ -274,10 +252,15 @@ class UlyssesPlan:
 
     # -- applying ------------------------------------------------------------------------------------------
     def apply(self, transformer: Any) -> Callable[[], None]:
-        points = sequence_points(transformer)
+        points = self.points
+        if points is None:
+            raise NotImplementedError(
+                f"sequence parallelism has no hook points for {type(transformer).__name__} (its family declares no "
+                "SequencePoints): run it with sp_size=1"
+            )
         if self.ring is not None and not points.ring:
             raise ValueError(
-                f"ring attention is not declared for {type(transformer).__name__} (SEQUENCE_POINTS); use Ulysses "
+                f"ring attention is not declared for {type(transformer).__name__} (its SequencePoints); use Ulysses "
                 "alone (ring_size=1)"
             )
         heads = int(transformer.config.num_attention_heads)

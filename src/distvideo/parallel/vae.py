@@ -1,5 +1,6 @@
-"""Exact parallel VAE decode for diffusers' AutoencoderKLWan (and, by parallel/vae_hunyuan15.py's declarations,
-AutoencoderKLHunyuanVideo15): each rank decodes one band of rows.
+"""Exact parallel VAE decode: each rank decodes one band of rows. The machinery (bands, halo exchange, the gather
+around global attention, the final gather) is here; which of a VAE's modules get halos is the family's declaration
+(`VaeBands`: families/wan/vae.py for AutoencoderKLWan, families/hunyuan15/vae.py for AutoencoderKLHunyuanVideo15).
 
 Wan's decoder is local in rows almost everywhere: 3x3 spatial convolutions (causal in time, with a per-frame
 feature cache), per-pixel RMS norms over channels, SiLU, nearest upsampling (output row i comes from input row i//2)
@@ -26,10 +27,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-from distvideo.models import compat
 from distvideo.parallel.collectives import collective
 
 logger = logging.getLogger(__name__)
@@ -38,33 +37,10 @@ logger = logging.getLogger(__name__)
 #: shrinks with the band, and below two rows every first-level convolution exchanges as many rows as it computes.
 MIN_BAND_ROWS = 2
 
-#: The VAE classes whose decoders the bands are proven exact for (HunyuanVideo 1.5's: parallel/vae_hunyuan15.py); any
-#: other VAE is decoded whole on the replica's first rank, as a decode of one band.
-BANDED_VAES = frozenset({"AutoencoderKLWan", "AutoencoderKLHunyuanVideo15"})
-
-# Decoder module classes (by name) known to be local in rows, or handled by this plan. Anything else in the decoder
-# stops the plan from applying: a new diffusers layer might mix rows, and a wrong frame is worse than a slow one.
-_ROW_LOCAL_MODULES = frozenset(
-    {
-        "WanDecoder3d",
-        "WanMidBlock",
-        "WanUpBlock",
-        "WanResidualUpBlock",
-        "WanResidualBlock",
-        "WanResample",
-        "WanRMS_norm",
-        "WanUpsample",
-        "DupUp3D",
-        "Sequential",
-        "ModuleList",
-        "Dropout",
-        "Identity",
-        "SiLU",
-        "WanCausalConv3d",
-        "Conv2d",
-        "WanAttentionBlock",
-    }
-)
+#: How a family's VAE is banded (its package declares it, the worker hands it to the plans): patch `vae`'s decoder
+#: in place through the decoder's `patch` and `gather_around_attention`, or raise NotImplementedError for a module
+#: not known to be local in rows. A VAE without one is decoded whole on the replica's first rank.
+VaeBands = Callable[["BandedVaeDecoder", Any], None]
 
 
 # --- band arithmetic (pure) -----------------------------------------------------------------------------------------
@@ -126,7 +102,7 @@ class BandedVaeDecoder:
 
     component = "vae"
     name = "vae-band-decode"
-    row_halo = staticmethod(conv_row_halo)  # for the per-VAE declarations (parallel/vae_hunyuan15.py)
+    row_halo = staticmethod(conv_row_halo)  # for the families' VaeBands declarations
 
     def __init__(self, group_for: Callable[[int], Any], rank: int, world_size: int, min_rows: int = MIN_BAND_ROWS):
         self.group_for = group_for  # size -> group of the replica's ranks 0..size-1, None outside (prefix_group)
@@ -137,39 +113,16 @@ class BandedVaeDecoder:
         self.vae: Any = None
         self._band: _Band | None = None
         self._restore: list[Callable[[], None]] = []
-        self.banded = True  # False: a VAE outside BANDED_VAES, decoded whole on rank 0
+        self.bands: VaeBands | None = None  # the family's declaration, set by ParallelContext.plans
+        self.banded = True  # False: a VAE without a declaration, decoded whole on rank 0
 
     # -- applying ------------------------------------------------------------------------------------------
     def apply(self, vae: Any) -> Callable[[], None]:
-        if type(vae).__name__ not in BANDED_VAES:  # another family's VAE: decoded whole on the replica's first rank
-            logger.debug("%s: no exact banded decode yet; decoding on one rank", type(vae).__name__)
+        if self.bands is None:  # no declaration for this family's VAE: decoded whole on the replica's first rank
+            logger.debug("%s: no exact banded decode declared; decoding on one rank", type(vae).__name__)
             self.vae, self.banded = vae, False
             return self.remove
-        if type(vae).__name__ == "AutoencoderKLHunyuanVideo15":
-            from distvideo.parallel.vae_hunyuan15 import apply_hunyuan15_bands
-
-            apply_hunyuan15_bands(self, vae)
-            self.vae = vae
-            return self.remove
-        WanCausalConv3d, WanAttentionBlock = compat.wan_vae_classes()
-        unknown = sorted({type(m).__name__ for m in vae.decoder.modules()} - _ROW_LOCAL_MODULES)
-        if unknown:
-            raise NotImplementedError(
-                f"the banded VAE decode does not know whether {unknown} are local in rows; decode on one rank"
-            )
-        for module in vae.decoder.modules():
-            if isinstance(module, WanCausalConv3d):
-                if module.kernel_size[1] > 1:
-                    self._patch(module, self._haloed_causal_conv3d(module))
-            elif isinstance(module, nn.Conv2d):
-                if module.kernel_size[0] > 1:
-                    self._patch(module, self._haloed_conv2d(module))
-            elif isinstance(module, WanAttentionBlock):
-                handles = [
-                    module.register_forward_pre_hook(self._gather_before_attention),
-                    module.register_forward_hook(self._split_after_attention),
-                ]
-                self._restore += [h.remove for h in handles]
+        self.bands(self, vae)
         self.vae = vae
         return self.remove
 
@@ -178,46 +131,23 @@ class BandedVaeDecoder:
             undo()
         self._restore = []
 
-    def _patch(self, module: nn.Module, forward: Callable[..., torch.Tensor]) -> None:
+    def patch(self, module: nn.Module, forward: Callable[..., torch.Tensor]) -> None:
+        """Replace `module`'s forward (an instance attribute) until the plan is removed."""
         module.forward = forward
         self._restore.append(lambda: delattr(module, "forward"))
 
-    def _haloed_causal_conv3d(self, conv: Any) -> Callable[..., torch.Tensor]:
-        """WanCausalConv3d.forward with the rows' zero padding replaced by the neighbours' rows inside a decode."""
-        original: Callable[..., torch.Tensor] = conv.forward  # conv: diffusers' WanCausalConv3d, not annotated
-        padding = compat.causal_conv_padding(conv)
-        w_pad, w_pad2, h_pad, h_pad2, t_before, t_after = padding
-        if (w_pad, h_pad, t_after) != (w_pad2, h_pad2, 0):
-            raise NotImplementedError(f"unexpected WanCausalConv3d padding {padding}")
-        halo = conv_row_halo(conv.kernel_size[1], conv.stride[1], h_pad)
+    def gather_around_attention(self, module: nn.Module) -> None:
+        """A global attention block of the decoder: the bands gathered before it and split after it, inside a decode."""
+        handles = [
+            module.register_forward_pre_hook(self._gather_before_attention),
+            module.register_forward_hook(self._split_after_attention),
+        ]
+        self._restore += [h.remove for h in handles]
 
-        def forward(x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
-            if self._band is None:
-                return original(x, cache_x)
-            parts, front = [x], t_before
-            if cache_x is not None and t_before > 0:  # as diffusers: the cached frames stand in for time padding
-                parts, front = [cache_x.to(x.device), x], t_before - cache_x.shape[2]
-                if front < 0:  # a longer cache than the padding: diffusers' F.pad crops the oldest frames
-                    parts, front = [cache_x.to(x.device)[:, :, -front:], x], 0
-            # one buffer holding the time padding, cache, frames, halo rows and column padding: the conv's input
-            return nn.Conv3d.forward(conv, self.haloed(parts, halo, front=front, w_pad=w_pad))
-
-        return forward
-
-    def _haloed_conv2d(self, conv: nn.Conv2d) -> Callable[[torch.Tensor], torch.Tensor]:
-        original = conv.forward
-        if conv.padding_mode != "zeros" or isinstance(conv.padding, str):
-            raise NotImplementedError(f"unexpected Conv2d padding {conv.padding!r} ({conv.padding_mode})")
-        h_pad, w_pad = conv.padding
-        halo = conv_row_halo(conv.kernel_size[0], conv.stride[0], h_pad)
-
-        def forward(x: torch.Tensor) -> torch.Tensor:
-            if self._band is None:
-                return original(x)
-            x = self.haloed([x], halo, w_pad=w_pad)
-            return F.conv2d(x, conv.weight, conv.bias, conv.stride, 0, conv.dilation, conv.groups)
-
-        return forward
+    @property
+    def band(self) -> _Band | None:
+        """The band of the decode in progress (None outside one: the patched modules run as on one rank)."""
+        return self._band
 
     # -- communication inside a decode ---------------------------------------------------------------------
     def haloed(self, parts: list[torch.Tensor], halo: int, *, front: int = 0, w_pad: int = 0) -> torch.Tensor:

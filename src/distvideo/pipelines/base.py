@@ -21,7 +21,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 import torch
@@ -30,6 +30,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from distvideo.models.registry import ModelInfo
+from distvideo.parallel.context import ParallelDeclarations
 from distvideo.pipelines.caching import step_cache
 from distvideo.pipelines.control import StepControl
 from distvideo.pipelines.offload import ComponentOffload
@@ -86,6 +87,9 @@ class DenoisingPipeline(ABC):
 
     #: the family spaces its steps by sigmas 1 ... 1/steps where a request gives no list (models/schedules.py)
     linear_sigmas = False
+    #: where the parallel plans hook the family's modules (Ulysses' points, the VAE's bands); the worker hands them
+    #: to ParallelContext.plans before it builds the pipeline
+    parallel_points: ClassVar[ParallelDeclarations] = ParallelDeclarations()
 
     def __init__(
         self,

@@ -14,7 +14,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from distvideo.families.hunyuan15.attention import JointUlyssesAttnProcessor
+from distvideo.families.hunyuan15.vae import apply_hunyuan15_bands
 from distvideo.models import compat
+from distvideo.parallel.context import ParallelDeclarations
+from distvideo.parallel.ulysses import SequencePoints
 from distvideo.pipelines.base import Batch, DenoisingPipeline, Stage
 from distvideo.pipelines.control import StepControl
 from distvideo.request import GenerationRequest, is_guided
@@ -51,6 +55,11 @@ class HunyuanVideo15T2VPipeline(DenoisingPipeline):
     encoders, linear sigmas, model input and decode."""
 
     linear_sigmas = True
+    # Ulysses on the dual-stream blocks' joint attention (text and video tokens together: attention.py; rotary tables'
+    # sequence dim 0, ring attention served); its VAE's bands (vae.py)
+    parallel_points = ParallelDeclarations(
+        SequencePoints("transformer_blocks", "attn", JointUlyssesAttnProcessor, 0, True), apply_hunyuan15_bands
+    )
 
     def load_text_encoders(self, components: dict[str, Any]) -> dict[str, nn.Module]:
         self.tokenizer = components["tokenizer"]

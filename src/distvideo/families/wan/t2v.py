@@ -11,7 +11,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from distvideo.families.wan.vae import apply_wan_bands
 from distvideo.models.compat import prompt_clean
+from distvideo.parallel.context import ParallelDeclarations
+from distvideo.parallel.ulysses import SequencePoints, UlyssesAttnProcessor
 from distvideo.pipelines.base import Batch, DenoisingPipeline, Stage
 from distvideo.pipelines.control import StepControl
 from distvideo.request import GenerationRequest
@@ -19,6 +22,12 @@ from distvideo.request import GenerationRequest
 
 class WanT2VPipeline(DenoisingPipeline):
     """Wan2.1 T2V; the other Wan pipelines of this package build on it (the VAE constants, UMT5, the step)."""
+
+    # Ulysses on the blocks' self-attention `attn1` (cross-attention stays local; rotary tables' sequence dim 1, ring
+    # attention served); the Wan VAE's bands (Wan2.1's and Wan2.2's)
+    parallel_points = ParallelDeclarations(
+        SequencePoints("blocks", "attn1", UlyssesAttnProcessor, 1, True), apply_wan_bands
+    )
 
     def __init__(self, components: dict[str, Any], device: torch.device, *args: Any, **kwargs: Any):
         super().__init__(components, device, *args, **kwargs)

@@ -1,5 +1,5 @@
 """Ulysses for dual-stream (MMDiT) blocks whose one attention joins the text tokens to the video tokens under a mask:
-HunyuanVideo 1.5's ``attn`` (diffusers' HunyuanVideo15AttnProcessor2_0), on the shared plan of parallel/ulysses.py.
+HunyuanVideo 1.5's ``attn`` (diffusers' HunyuanVideo15AttnProcessor2_0), on parallel/ulysses.py's shared plan.
 
 The video tokens are sharded over sp; the text tokens are whole on every rank. Per layer: the video q, k, v of the
 local tokens and all heads go through the plan's one all-to-all (all tokens, heads/sp); the text q, k, v are projected

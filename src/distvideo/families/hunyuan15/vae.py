@@ -1,4 +1,4 @@
-"""The banded decode of diffusers' AutoencoderKLHunyuanVideo15, on the shared machinery of parallel/vae.py.
+"""The banded decode of diffusers' AutoencoderKLHunyuanVideo15, on parallel/vae.py's machinery.
 
 Its decoder is local in rows except where the Wan one is: causal 3x3x3 convolutions (the whole video at once, no
 frame cache), RMS norms over channels, SiLU, DC-AE upsampling (channels to 2x2 pixels: output row i from input row
@@ -11,14 +11,13 @@ top and bottom, then columns and frames replicated as on one rank: the same valu
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-if TYPE_CHECKING:
-    from distvideo.parallel.vae import BandedVaeDecoder
+from distvideo.parallel.vae import BandedVaeDecoder
 
 #: Decoder module classes (by name) local in rows or handled here; anything else refuses the plan.
 ROW_LOCAL_MODULES = frozenset(
@@ -51,13 +50,9 @@ def apply_hunyuan15_bands(decoder: BandedVaeDecoder, vae: Any) -> None:
     for module in modules:
         name = type(module).__name__
         if name == "HunyuanVideo15CausalConv3d" and module.conv.kernel_size[1] > 1:
-            decoder._patch(module, _haloed_causal_conv3d(decoder, module))
+            decoder.patch(module, _haloed_causal_conv3d(decoder, module))
         elif name == "HunyuanVideo15AttnBlock":
-            handles = [
-                module.register_forward_pre_hook(decoder._gather_before_attention),
-                module.register_forward_hook(decoder._split_after_attention),
-            ]
-            decoder._restore += [h.remove for h in handles]
+            decoder.gather_around_attention(module)
         elif isinstance(module, nn.Conv3d) and id(module) not in wrapped and module.kernel_size[1] > 1:
             raise NotImplementedError(f"a bare {module} in the decoder: not known to be local in rows")
 
@@ -72,7 +67,7 @@ def _haloed_causal_conv3d(decoder: BandedVaeDecoder, conv: Any) -> Callable[[tor
     halo = decoder.row_halo(conv.conv.kernel_size[1], conv.conv.stride[1], h_pad)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        band = decoder._band
+        band = decoder.band
         if band is None:
             return original(x)
         rows = decoder.haloed([x], halo)  # zeros at the true edges: replicate the edge row there instead
