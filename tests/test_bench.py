@@ -11,8 +11,8 @@ import torch
 
 from distvideo.bench import run as bench_run  # a submodule: `bench.run` exists only once something imported it
 from distvideo.cli.main import main
+from distvideo.families.wan.flops import wan_transformer_flops, wan_transformer_flops_breakdown
 from distvideo.models.embedded import tiny_model_path
-from distvideo.models.flops import wan_transformer_flops, wan_transformer_flops_breakdown
 
 from background import FolderJob
 from launchers import format_output, run_launcher

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from distvideo.cli.main import main
-from distvideo.models.flops import wan_transformer_flops
+from distvideo.families.wan.flops import wan_transformer_flops
 from family_checkpoints import family_checkpoint, test_image
 
 TEXT_LEN = 7

@@ -161,7 +161,7 @@ def test_flop_count_matches_torchs_counter(checkpoint: Path) -> None:
     from diffusers import HunyuanVideo15Transformer3DModel
     from torch.utils.flop_counter import FlopCounterMode
 
-    from distvideo.models.flops import HUNYUAN15_TOKENS, hunyuan15_transformer_flops_breakdown
+    from distvideo.families.hunyuan15.flops import HUNYUAN15_TOKENS, hunyuan15_transformer_flops_breakdown
 
     model = HunyuanVideo15Transformer3DModel.from_pretrained(str(checkpoint / "transformer")).eval()
     config = json.loads((checkpoint / "transformer" / "config.json").read_text())

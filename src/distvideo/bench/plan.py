@@ -67,7 +67,6 @@ class BenchPlan:
 def plan_from_args(args: argparse.Namespace) -> BenchPlan:
     """Check every argument against the model's JSON files; raises ConfigError (exit 2) before any loading."""
     from distvideo.executors import resolve_engine
-    from distvideo.models.flops import hunyuan15_transformer_flops_breakdown, wan_transformer_flops_breakdown
 
     if args.runs < 1:
         raise ConfigError(f"--runs {args.runs}: must be >= 1 (measured runs of each side), e.g. --runs 5")
@@ -99,17 +98,10 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
     latent_shape = info.latent_shape(request)
     # the transformer's input: the noise latents, with the condition channels of Wan2.1 I2V / Wan2.2 I2V-A14B
     input_shape = (*latent_shape[:1], int(tr_config.get("in_channels", latent_shape[1])), *latent_shape[2:])
+    if info.family.transformer_flops is None:
+        raise ConfigError(f"--model {info.path}: {info.family.name} declares no FLOP count; the bench needs one")
     try:
-        if info.class_name.startswith("HunyuanVideo15"):
-            breakdown = hunyuan15_transformer_flops_breakdown(tr_config, input_shape)
-        else:
-            breakdown = wan_transformer_flops_breakdown(
-                tr_config,
-                input_shape,
-                request.max_sequence_length,
-                image_len=_clip_tokens(info.path) if info.family.image_encoder else 0,
-                per_token_timesteps=info.family.expand_timesteps,
-            )
+        breakdown = info.family.transformer_flops(info, request, input_shape)
     except ValueError as exc:
         raise ConfigError(f"--model {info.path}: {exc}") from None
     return BenchPlan(
@@ -124,12 +116,3 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
         flops_per_forward=sum(breakdown.values()),
         flops_breakdown=breakdown,
     )
-
-
-def _clip_tokens(model: Path) -> int:
-    """Image tokens of the checkpoint's CLIP vision encoder: one per patch of its input, plus the class token."""
-    try:
-        config = json.loads((model / "image_encoder" / "config.json").read_text())
-        return (int(config["image_size"]) // int(config["patch_size"])) ** 2 + 1
-    except (OSError, ValueError, KeyError) as exc:
-        raise ConfigError(f"--model {model}: cannot read image_encoder/config.json ({exc})") from None

@@ -4,10 +4,14 @@ and register here (`register_family`); models/registry.py matches checkpoints ag
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from distvideo.models.registry import ModelInfo
+    from distvideo.request import GenerationRequest
 
 IMAGE_NONE, IMAGE_OPTIONAL, IMAGE_REQUIRED = "none", "optional", "required"
 
@@ -62,6 +66,12 @@ class ModelFamily:
     #: before any weight; raises ConfigError on what the family cannot run); None: only the documented ones
     checkpoint_defaults: Callable[[Path, dict[str, Any], dict[str, Any]], dict[str, Any]] | None = None
     text_tokens: int = 512  # text tokens a step attends to (the layout planner's cost model): Wan pads to 512
+    #: (checkpoint, resolved request, the transformer's input shape) -> matmul FLOPs of one forward by part (the
+    #: bench's MFU; models/flops.py says what counts); None: the bench reports no FLOP figures for the family
+    transformer_flops: Callable[[ModelInfo, GenerationRequest, Sequence[int]], dict[str, int]] | None = None
+    #: (module, class names) its checkpoints' components come from: imported once by the mp executor's fork server
+    #: (models/preload.py), so forked workers start with them
+    libraries: tuple[tuple[str, tuple[str, ...]], ...] = ()
     #: where --cache wraps the transformer (None: the family's blocks are not declared, and --cache is refused before
     #: loading); Wan's single-stream `blocks` by default
     cache_points: CachePoints | None = CachePoints("blocks")

@@ -11,26 +11,19 @@ from __future__ import annotations
 import contextlib
 import importlib
 
-#: (module, names): the classes the registered families' model_index.json files name, and what loading them pulls
-#: in (diffusers' LoRA loaders and hooks, PEFT, PyAV)
-LIBRARIES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    # Wan2.1 / Wan2.2 (models/registry.py)
-    ("diffusers", ("WanTransformer3DModel", "AutoencoderKLWan", "UniPCMultistepScheduler")),
-    ("diffusers", ("FlowMatchEulerDiscreteScheduler", "WanPipeline")),
-    ("transformers", ("UMT5EncoderModel", "T5TokenizerFast", "CLIPVisionModel")),
-    # HunyuanVideo 1.5 (families/hunyuan15/)
-    ("diffusers", ("HunyuanVideo15Transformer3DModel", "AutoencoderKLHunyuanVideo15", "ClassifierFreeGuidance")),
-    ("transformers", ("Qwen2_5_VLTextModel", "T5EncoderModel", "Qwen2Tokenizer", "ByT5Tokenizer", "SiglipVisionModel")),
-    ("peft", ("LoraConfig",)),
-    ("av", ("open",)),
-)
+#: (module, names) every family loads with: diffusers' LoRA loaders and hooks pull in PEFT; PyAV writes the video.
+#: Each family adds what its model_index.json files name (ModelFamily.libraries).
+SHARED_LIBRARIES: tuple[tuple[str, tuple[str, ...]], ...] = (("peft", ("LoraConfig",)), ("av", ("open",)))
 
 
 def _import_all() -> None:
     from distvideo.models import compat
 
     compat.defer_torchao()  # as loading does: the libraries import no torchao (a mode that needs it imports it)
-    for module_name, names in LIBRARIES:
+    from distvideo.models.family import registered_families
+
+    libraries = [*(entry for family in registered_families() for entry in family.libraries), *SHARED_LIBRARIES]
+    for module_name, names in dict.fromkeys(libraries):
         with contextlib.suppress(ImportError):
             module = importlib.import_module(module_name)
             for name in names:

@@ -4,12 +4,13 @@ i2v.py; the shared machinery does the rest."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 from distvideo.errors import ConfigError
+from distvideo.families.hunyuan15.flops import HUNYUAN15_TOKENS, transformer_flops
 from distvideo.models.family import IMAGE_REQUIRED, CachePoints, ModelFamily, register_family
-from distvideo.models.flops import HUNYUAN15_TOKENS
 
 # HunyuanVideo 1.5: diffusers' HunyuanVideo15Pipeline defaults (121 frames, 50 steps, the 16:9 bucket of the
 # transformer's target size: 480 x 848 for the 480p models' 640, 720 x 1280 for 960; probe_model reads it), 24 fps as
@@ -97,25 +98,27 @@ HUNYUAN15_T2V = ModelFamily(
     cache_points=_CACHE_POINTS,
     checkpoint_defaults=_checkpoint_defaults,
     text_tokens=_TEXT_TOKENS,
+    transformer_flops=transformer_flops,
+    libraries=(
+        ("diffusers", ("HunyuanVideo15Transformer3DModel", "AutoencoderKLHunyuanVideo15", "ClassifierFreeGuidance")),
+        (
+            "transformers",
+            ("Qwen2_5_VLTextModel", "T5EncoderModel", "Qwen2Tokenizer", "ByT5Tokenizer", "SiglipVisionModel"),
+        ),
+    ),
 )
 # Image-to-video: as diffusers' HunyuanVideo15ImageToVideoPipeline, the size is the bucket of the image's aspect ratio
 # at the transformer's target size (480 x 848 stands for it until the image is read); a request may set its own.
-HUNYUAN15_I2V = ModelFamily(
+HUNYUAN15_I2V = dataclasses.replace(
+    HUNYUAN15_T2V,
     name="HunyuanVideo 1.5 I2V",
     class_names=("HunyuanVideo15ImageToVideoPipeline",),
     pipeline="distvideo.families.hunyuan15.i2v:HunyuanVideo15I2VPipeline",
     components=(*_COMPONENTS, "image_encoder", "feature_extractor"),
-    defaults=_DEFAULTS,
     description="HunyuanVideo 1.5 image-to-video: SigLIP image tokens, first-frame latents with a mask",
     image=IMAGE_REQUIRED,
     image_encoder=True,
-    compact_text=False,
     size_for_image=_size_for_image,
-    full_precision=_FULL_PRECISION,
-    cache_points=_CACHE_POINTS,
-    checkpoint_defaults=_checkpoint_defaults,
-    text_tokens=_TEXT_TOKENS,
 )
-
 
 register_family(HUNYUAN15_T2V, HUNYUAN15_I2V)

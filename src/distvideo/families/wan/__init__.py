@@ -4,9 +4,17 @@ on import. The pipelines (t2v.py, i2v.py, a14b.py, ti2v.py) are imported by the 
 
 from __future__ import annotations
 
+import dataclasses
+
+from distvideo.families.wan.flops import transformer_flops
 from distvideo.models.family import IMAGE_OPTIONAL, IMAGE_REQUIRED, ModelFamily, register_family
 
 _T5 = ("vae", "text_encoder", "tokenizer", "scheduler")
+_LIBRARIES = (
+    ("diffusers", ("WanTransformer3DModel", "AutoencoderKLWan", "UniPCMultistepScheduler")),
+    ("diffusers", ("FlowMatchEulerDiscreteScheduler", "WanPipeline")),
+    ("transformers", ("UMT5EncoderModel", "T5TokenizerFast", "CLIPVisionModel")),
+)
 
 
 # Request defaults: diffusers' pipeline defaults and, where Wan documents its own, Wan's (sample_steps,
@@ -26,20 +34,15 @@ WAN_T2V = ModelFamily(
         "fps": 16,
     },
     description="Wan2.1 text-to-video (WanTransformer3DModel, AutoencoderKLWan, UMT5)",
+    transformer_flops=transformer_flops,
+    libraries=_LIBRARIES,
 )
-WAN_I2V = ModelFamily(
+WAN_I2V = dataclasses.replace(
+    WAN_T2V,
     name="Wan2.1 I2V",
     class_names=("WanImageToVideoPipeline",),
     pipeline="distvideo.families.wan.i2v:WanI2VPipeline",
     components=("transformer", *_T5, "image_encoder", "image_processor"),
-    defaults={
-        "num_frames": 81,
-        "height": 480,
-        "width": 832,
-        "num_inference_steps": 50,
-        "guidance_scale": 5.0,
-        "fps": 16,
-    },
     description="Wan2.1 image-to-video: CLIP image tokens in cross-attention, first-frame latents with a mask",
     image=IMAGE_REQUIRED,
     image_encoder=True,
@@ -61,6 +64,8 @@ WAN22_T2V_A14B = ModelFamily(
     },
     description="Wan2.2 text-to-video, two experts: high-noise (transformer) then low-noise (transformer_2)",
     experts=2,
+    transformer_flops=transformer_flops,
+    libraries=_LIBRARIES,
 )
 WAN22_I2V_A14B = ModelFamily(
     name="Wan2.2 I2V-A14B",
@@ -80,6 +85,8 @@ WAN22_I2V_A14B = ModelFamily(
     description="Wan2.2 image-to-video, two experts, first-frame latents with a mask (no CLIP)",
     image=IMAGE_REQUIRED,
     experts=2,
+    transformer_flops=transformer_flops,
+    libraries=_LIBRARIES,
 )
 WAN22_TI2V_5B = ModelFamily(
     name="Wan2.2 TI2V-5B",
@@ -97,6 +104,8 @@ WAN22_TI2V_5B = ModelFamily(
     description="Wan2.2 text- and image-to-video in one model: per-token timesteps, the Wan2.2 VAE (z_dim 48)",
     image=IMAGE_OPTIONAL,
     expand_timesteps=True,
+    transformer_flops=transformer_flops,
+    libraries=_LIBRARIES,
 )
 
 
