@@ -1,7 +1,7 @@
 """HunyuanVideo 1.5 under torchrun (2 CPU ranks, gloo, the external executor): Ulysses (sp=2) and CFG parallelism
 (cfg=2), text- and image-to-video, reproduce the inline frames within 2, with the frames on rank 0 only, the declared
 collectives, and the image condition computed on rank 0 and bit-identical on both ranks; the banded decode of the
-HunyuanVideo 1.5 VAE equals a single-rank decode. One launch runs every engine (tests/parallel_scripts/family_cases.py,
+HunyuanVideo 1.5 VAE equals a single-rank decode; the sp=2 frames are within 2 of diffusers' directly. One launch runs every engine (tests/parallel_scripts/family_cases.py,
 shared with the Wan families); srun and mpirun run two of them (both tasks, both kinds of parallelism)."""
 
 from __future__ import annotations
@@ -155,6 +155,20 @@ def test_torchrun_matches_inline(launch, inline, name, kind, sp, cfg, request_kw
         assert records[0]["condition"] is not None and records[0]["condition"] == records[1]["condition"]
         contexts = [rank["context"] for rank in report["ranks"]]
         assert contexts[0]["conditioning_computed"] == 1 and contexts[1]["conditioning_received"] == 1
+
+
+def test_torchrun_sp2_is_within_2_of_diffusers(launch, checkpoints) -> None:
+    """The launched Ulysses sp=2 frames against diffusers' HunyuanVideo15Pipeline directly, not through the inline
+    frames (two halves of 2 would allow 4): the same checkpoint, prompt, size, steps, guidance and seed."""
+    from test_hunyuan import diffusers_hunyuan_frames
+
+    request = {k: v for k, v in T2V.items() if k not in ("guidance_scale", "seed")}
+    reference = diffusers_hunyuan_frames(
+        checkpoints["t2v"], PROMPT, guidance_scale=T2V["guidance_scale"], seed=T2V["seed"], **request
+    )
+    frames = np.load(launch["dir"] / "t2v-sp2-r.npy")
+    assert reference.std() > 1.0 and frames.shape == reference.shape
+    assert int(np.abs(frames.astype(np.int16) - reference.astype(np.int16)).max()) <= 2
 
 
 def test_banded_decode_of_the_hunyuan_vae_is_exact(launch) -> None:

@@ -11,6 +11,8 @@ import torch
 
 from distvideo.families.hunyuan15.t2v import HunyuanBatch, HunyuanVideo15T2VPipeline
 from distvideo.models import compat
+from distvideo.pipelines.base import Stage
+from distvideo.pipelines.control import StepControl
 
 
 class HunyuanVideo15I2VPipeline(HunyuanVideo15T2VPipeline):
@@ -23,8 +25,13 @@ class HunyuanVideo15I2VPipeline(HunyuanVideo15T2VPipeline):
         self.feature_extractor = components["feature_extractor"]
         self.video_processor = HunyuanVideo15ImageProcessor(vae_scale_factor=self.model.vae_scale_spatial)
 
+    def stages(self, control: StepControl | None) -> list[Stage]:
+        """Text-to-video's stages with the image as the condition."""
+        image = {"conditioning": self.condition_on_image}
+        return [(name, image.get(name, stage)) for name, stage in super().stages(control)]
+
     @torch.no_grad()
-    def condition(self, batch: HunyuanBatch) -> None:
+    def condition_on_image(self, batch: HunyuanBatch) -> None:
         assert batch.latents is not None
         condition, image_embeds = self.computed_once(lambda: self._image_condition(batch))
         batch.condition, batch.image_embeds = condition, image_embeds

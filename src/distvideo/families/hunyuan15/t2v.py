@@ -76,7 +76,7 @@ class HunyuanVideo15T2VPipeline(DenoisingPipeline):
             ("text_encoding", self.encode_text),
             ("timesteps", self.prepare_timesteps),
             ("latents", self.prepare_latents),
-            ("conditioning", self.condition),
+            ("conditioning", self.condition_on_nothing),
             ("denoising", self.denoise_stage(control)),
             ("decoding", self.decode),
             ("frames", self.to_frames),
@@ -96,7 +96,7 @@ class HunyuanVideo15T2VPipeline(DenoisingPipeline):
         dtype = self.transformer.dtype  # as diffusers: embeddings and masks in the transformer's dtype
         return HunyuanText(embeds.to(dtype), mask.to(dtype), glyph.to(dtype), glyph_mask.to(dtype))
 
-    def condition(self, batch: HunyuanBatch) -> None:
+    def condition_on_nothing(self, batch: HunyuanBatch) -> None:
         """Text-to-video: zero condition latents, a zero mask and zero image tokens (the transformer then drops them)."""
         assert batch.latents is not None
         b, c, t, h, w = batch.latents.shape
