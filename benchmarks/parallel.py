@@ -157,6 +157,7 @@ def run_paired(args: argparse.Namespace) -> dict[str, Any] | None:
     import torch.distributed as dist
     from diffusers import AutoencoderKLWan, ContextParallelConfig, WanTransformer3DModel
 
+    from distvideo.families.wan.t2v import WanT2VPipeline
     from distvideo.models.cpu_kernels import use_cpu_kernels
     from distvideo.models.text_padding import TextPaddingPlan, TextProjectionMemo
     from distvideo.parallel.ulysses import UlyssesPlan
@@ -170,13 +171,17 @@ def run_paired(args: argparse.Namespace) -> dict[str, Any] | None:
     plain, ours, theirs = (WanTransformer3DModel.from_pretrained(folder / "transformer").eval() for _ in range(3))
     TextPaddingPlan().apply(plain)  # distvideo's one-rank transformer (as the worker applies its speed plans)
     TextPaddingPlan().apply(ours)
-    UlyssesPlan(dist.group.WORLD, world, rank).apply(ours)
+    declared = WanT2VPipeline.parallel_points  # Wan's hook points and VAE bands, as ParallelContext.plans hands them
+    ulysses = UlyssesPlan(dist.group.WORLD, world, rank)
+    ulysses.points = declared.sequence
+    ulysses.apply(ours)
     TextProjectionMemo().apply(ours)  # as ParallelContext.plans() has it under SP
     theirs.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
     stock_vae = AutoencoderKLWan.from_pretrained(folder / "vae").eval()
     vae = AutoencoderKLWan.from_pretrained(folder / "vae").eval()
     use_cpu_kernels(vae)
     banded = BandedVaeDecoder(lambda size: dist.group.WORLD, rank, world)
+    banded.bands = declared.vae_bands
     banded.apply(vae)
 
     gen = torch.Generator("cpu").manual_seed(0)

@@ -11,10 +11,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from distvideo.families.wan.attention import UlyssesAttnProcessor
 from distvideo.families.wan.vae import apply_wan_bands
 from distvideo.models.compat import prompt_clean
 from distvideo.parallel.context import ParallelDeclarations
-from distvideo.parallel.ulysses import SequencePoints, UlyssesAttnProcessor
+from distvideo.parallel.ulysses import SequencePoints
 from distvideo.pipelines.base import Batch, DenoisingPipeline, Stage
 from distvideo.pipelines.control import StepControl
 from distvideo.request import GenerationRequest
