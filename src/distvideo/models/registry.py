@@ -128,8 +128,8 @@ class ModelInfo:
         for name in ("guidance_scale_2", "boundary_ratio"):
             if getattr(request, name) is not None and family.experts == 1:
                 raise ConfigError(
-                    f"{n.label(name)}: {what}, which has one transformer; {name} applies to the two-expert Wan2.2 A14B "
-                    "models only: drop it",
+                    f"{n.label(name)}: {what}, which has one transformer; {name} applies to the two-expert models "
+                    f"only ({', '.join(f.name for f in registered_families() if f.experts == 2)}): drop it",
                     param=name,
                 )
 
@@ -219,11 +219,6 @@ def probe_model(path: str | Path) -> ModelInfo:
     vae_cfg = read_checkpoint_json(root / "vae" / "config.json", "VAE config")
     tr_cfgs = [read_checkpoint_json(root / name / "config.json", f"{name} config") for name in family.transformers]
     scale_spatial, scale_temporal = _vae_factors(vae_cfg)
-    if family.image_encoder and tr_cfgs[0].get("pos_embed_seq_len"):
-        raise ConfigError(
-            f"--model {path}: a Wan2.1 FLF2V checkpoint (first and last frame: the transformer's pos_embed_seq_len is "
-            f"set), which distvideo does not run yet; it runs {family.name} (one image)"
-        )
     patch = _patch_size(tr_cfgs[0])
     defaults = _family_defaults(family, index, root, tr_cfgs[0])
     if (root / DEFAULTS_FILE).is_file():

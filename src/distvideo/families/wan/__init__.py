@@ -5,7 +5,10 @@ on import. The pipelines (t2v.py, i2v.py, a14b.py, ti2v.py) are imported by the 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
+from typing import Any
 
+from distvideo.errors import ConfigError
 from distvideo.families.wan.flops import transformer_flops
 from distvideo.models.family import IMAGE_OPTIONAL, IMAGE_REQUIRED, ModelFamily, register_family
 
@@ -37,6 +40,18 @@ WAN_T2V = ModelFamily(
     transformer_flops=transformer_flops,
     libraries=_LIBRARIES,
 )
+
+
+def _one_image(root: Path, index: dict[str, Any], transformer: dict[str, Any]) -> dict[str, Any]:
+    """Wan2.1 I2V's checkpoint sets no defaults of its own; a first-and-last-frame one (FLF2V) is refused."""
+    if transformer.get("pos_embed_seq_len"):
+        raise ConfigError(
+            f"--model {root}: a Wan2.1 FLF2V checkpoint (first and last frame: the transformer's pos_embed_seq_len is "
+            "set), which distvideo does not run yet; it runs Wan2.1 I2V (one image)"
+        )
+    return {}
+
+
 WAN_I2V = dataclasses.replace(
     WAN_T2V,
     name="Wan2.1 I2V",
@@ -46,6 +61,7 @@ WAN_I2V = dataclasses.replace(
     description="Wan2.1 image-to-video: CLIP image tokens in cross-attention, first-frame latents with a mask",
     image=IMAGE_REQUIRED,
     image_encoder=True,
+    checkpoint_defaults=_one_image,
 )
 WAN22_T2V_A14B = ModelFamily(
     name="Wan2.2 T2V-A14B",
