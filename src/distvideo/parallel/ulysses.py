@@ -97,7 +97,18 @@ def take_shard(x: torch.Tensor, dim: int, shard: SequenceShard) -> torch.Tensor:
     return pad_dim(x, dim, shard.padded_len).narrow(dim, shard.start, shard.local_len).contiguous()
 
 
-# --- where a family takes the plan ---------------------------------------------------------------------------------------
+# --- where a family takes the plan ---------------------------------------------------------------------------------
+
+
+class SequenceAttnProcessor:
+    """The base of a family's attention processor under the plan (SequencePoints.processor): what diffusers' attention
+    modules ask of a processor, the plan (its all-to-alls, ring, shard) and the attention backend the engine set."""
+
+    def __init__(self, plan: UlyssesPlan, attention_backend: Any = None):
+        for name, value in compat.PROCESSOR_PROTOCOL_ATTRIBUTES.items():
+            setattr(self, name, value)
+        self.plan = plan
+        self._attention_backend = attention_backend
 
 
 @dataclass(frozen=True)

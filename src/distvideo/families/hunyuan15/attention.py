@@ -12,7 +12,7 @@ with the ring's video blocks (`_ring_attention`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,9 +20,7 @@ import torch.nn.functional as F
 
 from distvideo.models import compat
 from distvideo.parallel.collectives import collective
-
-if TYPE_CHECKING:
-    from distvideo.parallel.ulysses import UlyssesPlan
+from distvideo.parallel.ulysses import SequenceAttnProcessor
 
 
 def joint_attention_mask(text_mask: torch.Tensor, video_len: int) -> torch.Tensor:
@@ -39,14 +37,8 @@ def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
     return out
 
 
-class JointUlyssesAttnProcessor:
+class JointUlyssesAttnProcessor(SequenceAttnProcessor):
     """HunyuanVideo 1.5's joint attention over video tokens sharded across the Ulysses group (see the module)."""
-
-    def __init__(self, plan: UlyssesPlan, attention_backend: Any = None):
-        for name, value in compat.PROCESSOR_PROTOCOL_ATTRIBUTES.items():
-            setattr(self, name, value)
-        self.plan = plan
-        self._attention_backend = attention_backend
 
     def __call__(
         self,

@@ -63,9 +63,9 @@ WAN_I2V = dataclasses.replace(
     image_encoder=True,
     checkpoint_defaults=_one_image,
 )
-WAN22_T2V_A14B = ModelFamily(
+WAN22_T2V_A14B = dataclasses.replace(
+    WAN_T2V,
     name="Wan2.2 T2V-A14B",
-    class_names=("WanPipeline",),
     pipeline="distvideo.families.wan.a14b:Wan22T2VA14BPipeline",
     components=("transformer", "transformer_2", *_T5),
     defaults={
@@ -80,35 +80,21 @@ WAN22_T2V_A14B = ModelFamily(
     },
     description="Wan2.2 text-to-video, two experts: high-noise (transformer) then low-noise (transformer_2)",
     experts=2,
-    transformer_flops=transformer_flops,
-    libraries=_LIBRARIES,
 )
-WAN22_I2V_A14B = ModelFamily(
+WAN22_I2V_A14B = dataclasses.replace(
+    WAN22_T2V_A14B,
     name="Wan2.2 I2V-A14B",
     class_names=("WanImageToVideoPipeline",),
     pipeline="distvideo.families.wan.a14b:Wan22I2VA14BPipeline",
-    components=("transformer", "transformer_2", *_T5),
-    defaults={
-        "num_frames": 81,
-        "height": 720,
-        "width": 1280,
-        "num_inference_steps": 40,
-        "guidance_scale": 3.5,
-        "guidance_scale_2": 3.5,
-        "boundary_ratio": 0.9,
-        "fps": 16,
-    },
+    defaults={**WAN22_T2V_A14B.defaults, "guidance_scale": 3.5, "guidance_scale_2": 3.5, "boundary_ratio": 0.9},
     description="Wan2.2 image-to-video, two experts, first-frame latents with a mask (no CLIP)",
     image=IMAGE_REQUIRED,
-    experts=2,
-    transformer_flops=transformer_flops,
-    libraries=_LIBRARIES,
 )
-WAN22_TI2V_5B = ModelFamily(
+WAN22_TI2V_5B = dataclasses.replace(
+    WAN_T2V,
     name="Wan2.2 TI2V-5B",
     class_names=("WanPipeline", "WanImageToVideoPipeline"),
     pipeline="distvideo.families.wan.ti2v:Wan22TI2VPipeline",
-    components=("transformer", *_T5),
     defaults={
         "num_frames": 121,
         "height": 704,
@@ -120,9 +106,6 @@ WAN22_TI2V_5B = ModelFamily(
     description="Wan2.2 text- and image-to-video in one model: per-token timesteps, the Wan2.2 VAE (z_dim 48)",
     image=IMAGE_OPTIONAL,
     expand_timesteps=True,
-    transformer_flops=transformer_flops,
-    libraries=_LIBRARIES,
 )
-
 
 register_family(WAN_T2V, WAN_I2V, WAN22_T2V_A14B, WAN22_I2V_A14B, WAN22_TI2V_5B)

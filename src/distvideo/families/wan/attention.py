@@ -3,14 +3,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from distvideo.models import compat
-
-if TYPE_CHECKING:
-    from distvideo.parallel.ulysses import UlyssesPlan
+from distvideo.parallel.ulysses import SequenceAttnProcessor
 
 
 def apply_wan_rotary(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
@@ -29,18 +27,12 @@ def apply_wan_rotary(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.
     return out.type_as(x)
 
 
-class UlyssesAttnProcessor:
+class UlyssesAttnProcessor(SequenceAttnProcessor):
     """Self-attention (attn1) of a Wan block over a sequence sharded across the SP group.
 
     Mirrors diffusers' WanAttnProcessor for self-attention (no image context), with the two all-to-alls around
     the attention op.
     """
-
-    def __init__(self, plan: UlyssesPlan, attention_backend: Any = None):
-        for name, value in compat.PROCESSOR_PROTOCOL_ATTRIBUTES.items():
-            setattr(self, name, value)
-        self.plan = plan
-        self._attention_backend = attention_backend
 
     def __call__(
         self,
