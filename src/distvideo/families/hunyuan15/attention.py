@@ -33,8 +33,7 @@ def joint_attention_mask(text_mask: torch.Tensor, video_len: int) -> torch.Tenso
 
 
 def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
-    out: torch.Tensor = x.unflatten(2, (heads, -1))  # type: ignore[no-untyped-call]  # torch's: no annotations
-    return out
+    return torch.unflatten(x, 2, (heads, -1))
 
 
 class JointUlyssesAttnProcessor(SequenceAttnProcessor):

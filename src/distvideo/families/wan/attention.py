@@ -16,9 +16,9 @@ def apply_wan_rotary(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.
     the same arithmetic without the strided writes of the real version."""
     if x.dtype in (torch.float32, torch.float64) and freqs_cos.dtype == x.dtype and x.stride(-1) == 1:
         rotation = torch.complex(freqs_cos[..., 0::2], freqs_sin[..., 1::2])
-        pairs = x.unflatten(-1, (-1, 2))  # type: ignore[no-untyped-call]  # torch's Tensor.unflatten: no annotations
+        pairs = torch.unflatten(x, -1, (-1, 2))
         return torch.view_as_real(torch.view_as_complex(pairs) * rotation).flatten(-2)
-    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)  # type: ignore[no-untyped-call]  # as above
+    x1, x2 = torch.unflatten(x, -1, (-1, 2)).unbind(-1)
     cos = freqs_cos[..., 0::2]
     sin = freqs_sin[..., 1::2]
     out = torch.empty_like(x)
