@@ -194,23 +194,45 @@ SMOKE_QUANTIZE_RUNS: tuple[dict[str, str], ...] = ({"quantize": "fp8-weight"}, {
 QUANTIZE_STEPS = 4  # per-step figures: a few steps after a one-step warm-up
 
 
+def engine_with(engine: Any, settings: dict[str, Any], device: str | None) -> tuple[Any, str | None]:
+    """`engine` with `settings` (EngineConfig fields), or distvideo's refusal of them on this device (the text of its
+    ConfigError: fp8 without float8 matrix products, sage without its package or CUDA)."""
+    import torch
+
+    from distvideo.errors import ConfigError
+    from distvideo.models.quantize import DeviceKind, check_support
+
+    config = dataclasses.replace(engine.config, **settings)
+    try:
+        check_support(config, DeviceKind.of(torch.device(device or "cuda")))
+    except ConfigError as exc:
+        return engine, str(exc)
+    return dataclasses.replace(engine, config=config), None
+
+
+def warm_then_timed(engine: Any, request: Any, first: Callable[[Any], None] | None = None) -> tuple[dict, Any]:
+    """On a fresh engine: `first(gen)` if given, a one-step warm-up (kernels, the allocator, torch.compile: untimed),
+    then `request` measured by `distvideo bench`'s run (record, frames)."""
+    from distvideo.bench.measure import distvideo_run
+    from distvideo.generator import VideoGenerator
+
+    with VideoGenerator.from_engine(engine) as gen:
+        if first is not None:
+            first(gen)
+        distvideo_run(gen, dataclasses.replace(request, num_inference_steps=1))
+        return distvideo_run(gen, request)
+
+
 def quantize_phase(sizes: Any, large: str, guard: Any, progress: Callable[[str], None]) -> dict[str, Any]:
     """On the large checkpoint at the first timed shape, one engine per setting (the unquantized one first): the
     denoising time per step and its speedup, the frames' PSNR and max difference against the unquantized frames,
     and the weight report (quantized layers and bytes per component: the proof that the mode ran). A setting the
     device cannot run is recorded as skipped with distvideo's refusal; one that would not fit the time left too."""
-    import torch
     from gpu_check_phases import bench_plan, frame_diff
-
-    from distvideo.bench.measure import distvideo_run
-    from distvideo.errors import ConfigError
-    from distvideo.generator import VideoGenerator
-    from distvideo.models.quantize import DeviceKind, check_support
 
     shape = sizes.shapes[0]
     plan = bench_plan(large, sizes, shape, QUANTIZE_STEPS, compare=False)
     base = dataclasses.replace(plan.request, save_video=False, return_frames=True)
-    device = DeviceKind.of(torch.device(sizes.device or "cuda"))
     runs = SMOKE_QUANTIZE_RUNS if sizes.mode == "smoke" else QUANTIZE_RUNS
     out: dict[str, Any] = {"status": "ok", "shape": f"{shape['num_frames']}x{shape['height']}x{shape['width']}"}
     out |= {"steps": QUANTIZE_STEPS, "runs": {}}
@@ -218,20 +240,16 @@ def quantize_phase(sizes: Any, large: str, guard: Any, progress: Callable[[str],
     one_run = 0.0
     for settings in ({}, *runs):
         label = ", ".join(f"{name} {value}" for name, value in settings.items()) or "none"
-        config = dataclasses.replace(plan.engine.config, **settings)
-        try:
-            check_support(config, device)
-        except ConfigError as exc:
-            out["runs"][label] = {"status": "skipped", "reason": str(exc)}
+        engine, refusal = engine_with(plan.engine, settings, sizes.device)
+        if refusal is not None:
+            out["runs"][label] = {"status": "skipped", "reason": refusal}
             continue
         if reference is not None and guard.left() < one_run + 5:
             out["runs"][label] = {"status": "skipped", "reason": f"{guard.left():.0f} s left in the phase"}
             continue
         began = time.monotonic()
         try:
-            with VideoGenerator.from_engine(dataclasses.replace(plan.engine, config=config)) as gen:
-                distvideo_run(gen, dataclasses.replace(base, num_inference_steps=1))  # kernels, allocator: untimed
-                record, frames = distvideo_run(gen, base)
+            record, frames = warm_then_timed(engine, base)
         except Exception as exc:  # one setting's failure is that run's result, not the phase's
             out["runs"][label] = {"status": "error", "error": f"{type(exc).__name__}: {exc}"}
             out["status"] = "error"

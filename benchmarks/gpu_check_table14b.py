@@ -8,7 +8,7 @@ steps at the table's shape, bfloat16, guidance 5: distvideo, diffusers' WanImage
 every fast path that has landed together (--compile, --quantize fp8, --attention sage), and each alone. Seconds per
 step, end to end for the steps run, peak memory, MFU against the device's measured matmul peak; the fast paths' PSNR
 against distvideo's plain frames. One engine at a time, not interleaved run by run as the bench phase does: two
-14B pipelines (45 GB each with their encoders) do not fit one H100 together. A setting the device refuses is recorded
+14B pipelines (45.9 GB of weights each with their encoders, in bfloat16) do not fit one H100 together. A setting the device refuses is recorded
 as skipped with distvideo's refusal, one that would not fit the time left too. In --smoke mode the same code runs a
 tiny checkpoint on the CPU (compile skipped: 20-35 s; fp8 refused there).
 
@@ -65,7 +65,7 @@ def table14b_phase(sizes: Any, folder: Path, guard: Any, progress: Callable[[str
     out.update(guidance_scale=table.request.guidance_scale, model_flops=plan.model_flops)
     try:
         _rows(table, out, guard, progress)
-    finally:  # 46 GB: the later phases need the disk (it is drawn again in under a minute)
+    finally:  # 45.9 GB on a GPU: the later phases need the disk (each run draws it again)
         shutil.rmtree(path, ignore_errors=True)
     out.update(device=table.env.get("device_name"), dtypes=table.env.get("dtypes"), matmul_peak_flops=table.peak)
     _compare(out, table.frames)
@@ -81,8 +81,9 @@ def _rows(table: _Table, out: dict[str, Any], guard: Any, progress: Callable[[st
         started = time.monotonic()
         try:
             record = table.run(label, settings)
-        except Exception as exc:  # one setting's failure is that row's result; the others still run
+        except Exception as exc:  # one setting's failure is that row's result and the phase's; the others still run
             record = {"status": "error", "error": f"{type(exc).__name__}: {exc}"}
+            out["status"] = "error"
         _free()
         if record["status"] == "ok":
             last = max(last, time.monotonic() - started)
@@ -104,30 +105,24 @@ class _Table:
 
     def run(self, label: str, settings: dict[str, Any] | None) -> dict[str, Any]:
         """One row: a one-step warm-up then the timed request, on a fresh engine (or diffusers' process)."""
-        import torch
-        from gpu_check_more import _timed
+        from gpu_check_more import _timed, engine_with, warm_then_timed
 
-        from distvideo.bench.measure import distvideo_run, rank_environment, rank_matmul_flops
-        from distvideo.errors import ConfigError
-        from distvideo.generator import VideoGenerator
-        from distvideo.models.quantize import DeviceKind, check_support
+        from distvideo.bench.measure import rank_environment, rank_matmul_flops
 
-        warm = dataclasses.replace(self.request, num_inference_steps=1, return_frames=False)
         if settings is None:
-            return self._diffusers(label, warm)
+            return self._diffusers(label, dataclasses.replace(self.request, num_inference_steps=1))
         if settings.get("compile") and self.sizes.mode == "smoke":
             return {"status": "skipped", "reason": "smoke mode: torch.compile takes 20-35 s on 2 CPU cores"}
-        config = dataclasses.replace(self.plan.engine.config, **settings)
-        try:
-            check_support(config, DeviceKind.of(torch.device(self.sizes.device or "cuda")))
-        except ConfigError as exc:
-            return {"status": "skipped", "reason": str(exc)}
-        with VideoGenerator.from_engine(dataclasses.replace(self.plan.engine, config=config)) as gen:
+        engine, refusal = engine_with(self.plan.engine, settings, self.sizes.device)
+        if refusal is not None:
+            return {"status": "skipped", "reason": refusal}
+
+        def measure_rank(gen: Any) -> None:  # once, on the first engine: what diffusers runs with, the MFU's peak
             if not self.env:
                 self.env = gen.collective_rpc(rank_environment)[0]
                 self.peak = gen.collective_rpc(rank_matmul_flops, args=(self.plan.matmul_size,))[0]
-            distvideo_run(gen, warm)  # kernels, the allocator, torch.compile: untimed
-            record, self.frames[label] = distvideo_run(gen, self.request)
+
+        record, self.frames[label] = warm_then_timed(engine, self.request, first=measure_rank)
         return {"status": "ok", **_timed(record), "compile_s": record.get("compile_s")}
 
     def _diffusers(self, label: str, warm: Any) -> dict[str, Any]:

@@ -4,12 +4,13 @@ device it will run on (issue 56: the 14B row of the public speed table, measured
 The published layout (``WanImageToVideoPipeline``): a 40-layer transformer 5120 wide (40 heads x 128, ffn 13824,
 36 input channels, image cross-attention over 1280-wide CLIP tokens), CLIP ViT-H/14 (32 layers, 1280 wide, 16 heads,
 224 px crops of 14 px patches: 257 tokens), the UMT5-XXL encoder (24 layers, d_model 4096, 64 heads x 64, ffn
-10240, vocabulary 256384) and the Wan2.1 VAE (base_dim 96, z_dim 16). Every weight is drawn on `device` in `dtype`
-(:func:`distvideo.testing.components.on_device`): on a GPU the 14B transformer is drawn in seconds and never exists
-in float32 on the host; writing its 28 GB (bfloat16) is what takes the time. The tokenizer is the tiny one (ids below
-512 of the real vocabulary): text encoding runs the real encoder's compute on other token ids.
+10240, vocabulary 256384) and the Wan2.1 VAE (base_dim 96, z_dim 16). The transformer and the encoders are drawn on
+`device` in `dtype` (:func:`distvideo.testing.components.on_device`): on a GPU they never exist in float32 on the
+host. Parameters, counted on the meta device: 16.39 B transformer, 5.68 B text encoder, 0.63 B CLIP, 0.13 B VAE
+(45.9 GB with the VAE in float32); writing them is what takes the time. The tokenizer is the tiny one (ids below 512
+of the real vocabulary): text encoding runs the real encoder's compute on other token ids.
 
-    build_wan21_i2v_14b_checkpoint("/tmp/wan14b", device="cuda")                     # about 41 GB
+    build_wan21_i2v_14b_checkpoint("/tmp/wan14b", device="cuda")                     # 45.9 GB of weights
     build_wan21_i2v_14b_checkpoint(tmp_path / "w", **WAN21_I2V_14B_SMOKE)           # the same code, tiny, CPU
 """
 
