@@ -181,7 +181,7 @@ def run_paired(args: argparse.Namespace) -> dict[str, Any] | None:
     vae = AutoencoderKLWan.from_pretrained(folder / "vae").eval()
     use_cpu_kernels(vae)
     banded = BandedVaeDecoder(lambda size: dist.group.WORLD, rank, world)
-    banded.bands = declared.vae_bands
+    banded.bands, banded.banded_vae = declared.vae_bands, declared.banded_vae
     banded.apply(vae)
 
     gen = torch.Generator("cpu").manual_seed(0)

@@ -28,7 +28,7 @@ def test_an_unknown_decoder_module_is_refused_and_nothing_is_patched():
     )
     plan.apply(vae)  # no declaration (ParallelContext.plans sets the family's): nothing patched, one rank decodes
     assert plan.banded is False and not any("forward" in vars(m) for m in vae.decoder.modules())
-    plan.bands = apply_wan_bands  # Wan's declaration (families/wan/)
+    plan.bands, plan.banded_vae = apply_wan_bands, "AutoencoderKLWan"  # Wan's declaration (families/wan/)
     plan.banded = True
     with pytest.raises(NotImplementedError, match=r"\['MysteryMix'\] are local in rows; decode on one rank"):
         plan.apply(vae)

@@ -34,6 +34,7 @@ class ParallelDeclarations:
 
     sequence: SequencePoints | None = None
     vae_bands: VaeBands | None = None
+    banded_vae: str | None = None  # the VAE class `vae_bands` is proven exact for (another decodes on one rank)
 
 
 class ParallelContext:
@@ -76,7 +77,7 @@ class ParallelContext:
                     ulysses = self._sequence_plan(name, self.ulysses)
                 ulysses.points = declared.sequence
                 plans += [ulysses, TextProjectionMemo(self.counts, component=name)]
-        self.vae_decoder.bands = declared.vae_bands
+        self.vae_decoder.bands, self.vae_decoder.banded_vae = declared.vae_bands, declared.banded_vae
         plans.append(self.vae_decoder)
         return plans
 

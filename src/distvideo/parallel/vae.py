@@ -113,12 +113,13 @@ class BandedVaeDecoder:
         self.vae: Any = None
         self._band: _Band | None = None
         self._restore: list[Callable[[], None]] = []
-        self.bands: VaeBands | None = None  # the family's declaration, set by ParallelContext.plans
+        self.bands: VaeBands | None = None  # the family's declaration, set by ParallelContext.plans,
+        self.banded_vae: str | None = None  # with the VAE class the bands are proven exact for
         self.banded = True  # False: a VAE without a declaration, decoded whole on rank 0
 
     # -- applying ------------------------------------------------------------------------------------------
     def apply(self, vae: Any) -> Callable[[], None]:
-        if self.bands is None:  # no declaration for this family's VAE: decoded whole on the replica's first rank
+        if self.bands is None or type(vae).__name__ != self.banded_vae:  # none for this VAE: whole, on the first rank
             logger.debug("%s: no exact banded decode declared; decoding on one rank", type(vae).__name__)
             self.vae, self.banded = vae, False
             return self.remove

@@ -58,7 +58,9 @@ class HunyuanVideo15T2VPipeline(DenoisingPipeline):
     # Ulysses on the dual-stream blocks' joint attention (text and video tokens together: attention.py; rotary tables'
     # sequence dim 0, ring attention served); its VAE's bands (vae.py)
     parallel_points = ParallelDeclarations(
-        SequencePoints("transformer_blocks", "attn", JointUlyssesAttnProcessor, 0, True), apply_hunyuan15_bands
+        SequencePoints("transformer_blocks", "attn", JointUlyssesAttnProcessor, 0, True),
+        apply_hunyuan15_bands,
+        "AutoencoderKLHunyuanVideo15",
     )
 
     def load_text_encoders(self, components: dict[str, Any]) -> dict[str, nn.Module]:

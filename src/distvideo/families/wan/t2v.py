@@ -27,7 +27,7 @@ class WanT2VPipeline(DenoisingPipeline):
     # Ulysses on the blocks' self-attention `attn1` (cross-attention stays local; rotary tables' sequence dim 1, ring
     # attention served); the Wan VAE's bands (Wan2.1's and Wan2.2's)
     parallel_points = ParallelDeclarations(
-        SequencePoints("blocks", "attn1", UlyssesAttnProcessor, 1, True), apply_wan_bands
+        SequencePoints("blocks", "attn1", UlyssesAttnProcessor, 1, True), apply_wan_bands, "AutoencoderKLWan"
     )
 
     def __init__(self, components: dict[str, Any], device: torch.device, *args: Any, **kwargs: Any):
