@@ -237,7 +237,7 @@ def test_a_prompt_outside_the_demo_models_grammar_is_warned_about(tmp_path):
 
 
 def test_the_summary_line_says_what_ran():
-    from distvideo.generator import run_summary
+    from distvideo.outputs import run_summary
 
     timings = {"denoising": 3.0, "compile": 2.5, "decoding": 1.0}
     cache = {"method": "mag", "computed_steps": 6, "skipped_steps": [3, 5]}

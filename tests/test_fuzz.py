@@ -4,6 +4,7 @@ weights or generates: the CLI is only given argument lists that must be refused.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -101,7 +102,8 @@ def test_resolve_request_against_the_model(model_info, values):
     except ConfigError as exc:
         assert named_field(exc) in values, (str(exc), values)
         return
-    resolved.validate()
+    as_given = {f.name: getattr(resolved, f.name) for f in dataclasses.fields(GenerationRequest)}
+    GenerationRequest(**as_given).validate()  # what resolution filled passes the model-free checks too
     assert resolved.height % model_info.spatial_stride == 0 and resolved.width % model_info.spatial_stride == 0
     assert (resolved.num_frames - 1) % model_info.vae_scale_temporal == 0
     assert all(getattr(resolved, k) is not None for k in model_info.defaults)

@@ -23,7 +23,7 @@ from distvideo.errors import (  # noqa: E402
     VideoWriteError,
     WorkerDiedError,
 )
-from distvideo.request import GenerationRequest  # noqa: E402
+from distvideo.request import GenerationRequest, ResolvedRequest  # noqa: E402
 
 if TYPE_CHECKING:
     from distvideo.generator import VideoGenerator
@@ -55,6 +55,7 @@ __all__ = [
     "ModelLoadError",
     "ProcessGroupBrokenError",
     "RankFailure",
+    "ResolvedRequest",
     "VideoGenerator",
     "VideoWriteError",
     "WorkerDiedError",

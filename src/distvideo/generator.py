@@ -20,9 +20,9 @@ from distvideo.media import check_video_output, write_video_or_keep_frames
 from distvideo.models.cache_ratios import check_cache_servable
 from distvideo.models.embedded import prompt_warning
 from distvideo.models.registry import ModelInfo
-from distvideo.outputs import GenerationResult
+from distvideo.outputs import GenerationResult, run_summary
 from distvideo.paths import resolve_output_path
-from distvideo.request import GenerationRequest
+from distvideo.request import GenerationRequest, ResolvedRequest
 
 logger = logging.getLogger(__name__)
 
@@ -219,34 +219,41 @@ class VideoGenerator:
         GenerationCancelled; the generator stays usable). Safe from any thread; a no-op when nothing runs."""
         self.executor.cancel()
 
-    def generate_request(
-        self, request: GenerationRequest, on_progress: Callable[[int, int], None] | None = None
-    ) -> GenerationResult:
+    def _checked(self, request: GenerationRequest | ResolvedRequest) -> ResolvedRequest:
+        """The request resolved (a ResolvedRequest: its image read in this process), and what this engine and its
+        output rank refuse checked: a cached request on compiled blocks, the video file's target."""
         from distvideo.models.plans import compiles_blocks  # torch's (the engine has imported it by now)
 
+        if isinstance(request, ResolvedRequest):
+            resolved = request.read_image()
+        else:
+            resolved = self.model_info.resolve_request(request)
+        check_cache_servable(resolved, compiled=compiles_blocks(self.config, self.engine.layout.sp_size))
+        if self.executor.is_output_rank and resolved.save_video:  # the writer's problems too, not after generating
+            check_video_output(
+                resolved.output_path, resolved.prompt, resolved.seed, resolved.width, resolved.height, resolved.fps
+            )
+        return resolved
+
+    def generate_request(
+        self, request: GenerationRequest | ResolvedRequest, on_progress: Callable[[int, int], None] | None = None
+    ) -> GenerationResult:
+        """Generate one request: a GenerationRequest is resolved against the model here (the Python API's edge); a
+        ResolvedRequest (the CLI's, a served job's) is taken as resolved, its image read in this process."""
         start = time.perf_counter()
         executor = self.executor
         try:  # bad input fails here, before any work
-            resolved, invalid = self.model_info.resolve_request(request), None
-            check_cache_servable(resolved, compiled=compiles_blocks(self.config, self.engine.layout.sp_size))
-            if executor.is_output_rank and resolved.save_video:  # the writer's problems too, not after generating
-                assert resolved.width is not None and resolved.height is not None and resolved.fps is not None
-                check_video_output(
-                    resolved.output_path, resolved.prompt, resolved.seed, resolved.width, resolved.height, resolved.fps
-                )
+            outcome: ResolvedRequest | ConfigError = self._checked(request)
         except ConfigError as exc:
-            resolved, invalid = None, exc
+            outcome = exc
         # Under a launcher every rank compares the arguments and whether they were valid, so a request refused on one
         # rank only is refused on every rank (none is left waiting in a collective for it).
-        executor.ensure_consistent(
-            "generate", {**request.digest_fields(), "invalid_request": None if invalid is None else str(invalid)}
-        )
-        if invalid is not None:
-            raise invalid
-        assert resolved is not None
-        request = resolved
-        warning = prompt_warning(self.model_info.path, request.prompt) if executor.is_output_rank else None
-        if warning:
+        refused = str(outcome) if isinstance(outcome, ConfigError) else None
+        executor.ensure_consistent("generate", {**request.digest_fields(), "invalid_request": refused})
+        if isinstance(outcome, ConfigError):
+            raise outcome
+        request = outcome
+        if executor.is_output_rank and (warning := prompt_warning(self.model_info.path, request.prompt)):
             logger.warning(warning)
         out = _refusals_as_config_errors(lambda: executor.execute_forward(request, on_progress))
         timings = dict(out.timings)
@@ -255,7 +262,6 @@ class VideoGenerator:
         if executor.is_output_rank and request.save_video and frames is not None:
             t0 = time.perf_counter()
             target = resolve_output_path(request.output_path, request.prompt, request.seed)
-            assert request.fps is not None  # resolved
             video_path = str(write_video_or_keep_frames(frames, target, request.fps))
             timings["video_writing"] = time.perf_counter() - t0
         timings["total"] = time.perf_counter() - start
@@ -380,17 +386,3 @@ def _refusals_as_config_errors(run: Callable[[], Any]) -> Any:
             lines = [f"  rank {rank}: {message}" for rank, (_, message) in sorted(exc.failures.items())]
             raise ConfigError("the request was refused:\n" + "\n".join(lines)) from exc
         raise
-
-
-def run_summary(timings: dict[str, float], cache: dict[str, Any] | None) -> str:
-    """What ran, for the summary line: the stages' seconds (compile apart from denoising) and the steps a step cache
-    skipped."""
-    parts = [f"denoising {timings.get('denoising', 0.0):.2f} s"]
-    if "compile" in timings:
-        parts.append(f"of which compiling {timings['compile']:.2f} s")
-    parts.append(f"decoding {timings.get('decoding', 0.0):.2f} s")
-    if cache:
-        skipped = list(cache.get("skipped_steps", []))
-        steps = len(skipped) + int(cache.get("computed_steps", 0))
-        parts.append(f"cache {cache.get('method')}: skipped {len(skipped)} of {steps} steps {skipped}")
-    return ", ".join(parts)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from distvideo.request import GenerationRequest
+    from distvideo.request import ResolvedRequest
 
 
 @dataclass
@@ -45,8 +45,22 @@ class GenerationResult:
     seed: int
     timings: dict[str, float] = field(default_factory=dict)
     peak_memory_mb: float = 0.0
-    request: GenerationRequest | None = None
+    request: ResolvedRequest | None = None
     # step caching: {"method", "computed_steps", "skipped_steps": [step indices]}; None when off (docs/caching.md)
     cache: dict[str, Any] | None = None
     # the output rank's weights per transformer and text encoder: {"mode", "quantized_modules", "bytes"}
     weights: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+def run_summary(timings: dict[str, float], cache: dict[str, Any] | None) -> str:
+    """What ran, for the summary line: the stages' seconds (compile apart from denoising) and the steps a step cache
+    skipped."""
+    parts = [f"denoising {timings.get('denoising', 0.0):.2f} s"]
+    if "compile" in timings:
+        parts.append(f"of which compiling {timings['compile']:.2f} s")
+    parts.append(f"decoding {timings.get('decoding', 0.0):.2f} s")
+    if cache:
+        skipped = list(cache.get("skipped_steps", []))
+        steps = len(skipped) + int(cache.get("computed_steps", 0))
+        parts.append(f"cache {cache.get('method')}: skipped {len(skipped)} of {steps} steps {skipped}")
+    return ", ".join(parts)

@@ -13,7 +13,7 @@ if TYPE_CHECKING:  # types only: nothing here runs an import of the generator or
     from distvideo.engine import ResolvedEngine
     from distvideo.executors import Executor
     from distvideo.outputs import GenerationResult
-    from distvideo.request import GenerationRequest
+    from distvideo.request import GenerationRequest, ResolvedRequest
 
 
 class EngineHandle(Protocol):
@@ -39,7 +39,7 @@ class GeneratorHandle(EngineHandle, Protocol):
     def is_output_rank(self) -> bool: ...
 
     def generate_request(
-        self, request: GenerationRequest, on_progress: Callable[[int, int], None] | None = None
+        self, request: GenerationRequest | ResolvedRequest, on_progress: Callable[[int, int], None] | None = None
     ) -> GenerationResult: ...
 
     def cancel(self) -> None: ...

@@ -3,14 +3,17 @@ request is resolved against it: models/registry.py, models/memory.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from distvideo.config import Naming, option_fields
 from distvideo.errors import ConfigError
-from distvideo.images import check_image_type, image_fingerprint
+from distvideo.images import check_image_type, image_fingerprint, load_image
 from distvideo.paths import path_problem
 
 # Sane upper bounds of a request, checked before any work (what a model can take at all is checked against its
@@ -163,7 +166,84 @@ class GenerationRequest:
         return fields
 
 
-def is_guided(request: GenerationRequest) -> bool:
+#: the fields a model's defaults must fill (ResolvedRequest types them as set)
+FILLED_BY_RESOLUTION = ("num_frames", "height", "width", "num_inference_steps", "guidance_scale", "fps")
+SECOND_EXPERT = ("boundary_ratio", "guidance_scale_2")  # and, for a two-expert model, these
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResolvedRequest:
+    """A request with every default filled and every check done, made once at the edge (the CLI, the Python API, a
+    batch item, an HTTP body, the bench) by `ModelInfo.resolve_request`; frozen, and trusted downstream: nothing
+    after the edge checks it again. Its fields are GenerationRequest's, those the model's defaults fill typed as set.
+
+    `image`: the conditioning image's uint8 RGB pixels once this process has read them (`read_image`), before that
+    as given (a path that every rank reads itself, a PIL image or an array); the size it sets is already resolved."""
+
+    prompt: str
+    negative_prompt: str | None
+    image: Any
+    num_frames: int
+    height: int
+    width: int
+    num_inference_steps: int
+    guidance_scale: float
+    guidance_scale_2: float | None  # two-expert models only
+    boundary_ratio: float | None  # two-expert models only
+    seed: int
+    fps: int
+    output_path: str | None
+    save_video: bool
+    return_frames: bool
+    max_sequence_length: int
+    request_timeout: float | None
+    cache: str  # "none" when off
+    cache_threshold: float | None
+    cache_warmup_steps: int | None
+    cache_max_skip: int | None
+    scheduler: str | None
+    flow_shift: float | None
+    timesteps: list[float] | None
+    sigmas: list[float] | None
+    naming: Naming = field(default_factory=Naming, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "naming", Naming.of(self.naming))  # also from its JSON form (the serving channel)
+
+    @classmethod
+    def of(cls, request: GenerationRequest, *, experts: int = 1) -> ResolvedRequest:
+        """The request as resolved, once its checks passed and the model's defaults filled it; a field the model
+        sets no default for is refused, naming it. `experts`: 2 for a two-expert model, whose second expert's
+        settings must be filled too."""
+        for name in FILLED_BY_RESOLUTION + (SECOND_EXPERT if experts == 2 else ()):
+            if getattr(request, name) is None:
+                raise ConfigError(f"{request.naming.label(name)}: the model sets no default; give one", param=name)
+        values = {f.name: getattr(request, f.name) for f in dataclasses.fields(GenerationRequest)}
+        return cls(**{**values, "cache": request.cache or "none"})
+
+    @property
+    def second_expert(self) -> tuple[float, float]:
+        """(boundary_ratio, guidance_scale_2) of a two-expert model's request, which its resolution fills; a
+        one-expert model's request has no second expert."""
+        if self.boundary_ratio is None or self.guidance_scale_2 is None:
+            raise TypeError("second_expert: this request was resolved for a one-expert model")
+        return self.boundary_ratio, self.guidance_scale_2
+
+    def read_image(self) -> ResolvedRequest:
+        """The request with its image's pixels read in this process (a path: from this node's disk); ConfigError
+        naming the image when it cannot be read. The size the image sets was resolved with the request."""
+        if self.image is None or isinstance(self.image, np.ndarray):
+            return self
+        return dataclasses.replace(self, image=load_image(self.image, self.naming.label("image")))
+
+    def digest_fields(self) -> dict[str, Any]:
+        """As GenerationRequest.digest_fields: what every rank must agree on, the image by its content."""
+        fields = {f.name: getattr(self, f.name) for f in option_fields(ResolvedRequest)}
+        fields["image"] = image_fingerprint(self.image)
+        return fields
+
+
+def is_guided(request: GenerationRequest | ResolvedRequest) -> bool:
     """Whether any step of a resolved request runs two branches (classifier-free guidance): a guidance scale above 1,
     the low-noise expert's (`guidance_scale_2`, Wan2.2 A14B) counted as its own. A scale of 1 or less runs the
     conditional branch alone: no unconditional text, no second forward (guidance-distilled models)."""

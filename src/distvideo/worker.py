@@ -40,7 +40,7 @@ from distvideo.parallel.shard import gathered_bytes
 from distvideo.parallel.vae import decode_band_count
 from distvideo.pipelines.base import DenoisingPipeline, Pipeline, record_per_step_denoising
 from distvideo.pipelines.control import StepControl
-from distvideo.request import GenerationRequest
+from distvideo.request import ResolvedRequest
 
 if TYPE_CHECKING:
     from distvideo.lora.layers import LoraState
@@ -263,7 +263,7 @@ class Worker:
     # -- calls -----------------------------------------------------------------------------------
     def execute_forward(
         self,
-        request: GenerationRequest,
+        request: ResolvedRequest,
         *,
         emit: Callable[[tuple[int, int]], None] | None = None,
         cancelled: Callable[[], bool] | None = None,
@@ -278,7 +278,7 @@ class Worker:
 
     def _forward(
         self,
-        request: GenerationRequest,
+        request: ResolvedRequest,
         *,
         on_progress: Callable[[int, int], None] | None,
         cancelled: Callable[[], bool] | None,
@@ -311,7 +311,7 @@ class Worker:
 
     def execute_batch(
         self,
-        shares: list[list[tuple[int, GenerationRequest]]],
+        shares: list[list[tuple[int, ResolvedRequest]]],
         *,
         emit: Callable[[ItemOutcome], None] | None = None,
         cancelled: Callable[[], bool] | None = None,
@@ -329,7 +329,7 @@ class Worker:
                 emit(outcome)
         return len(share)
 
-    def _refuse_if_it_cannot_fit(self, pipeline: Pipeline, request: GenerationRequest) -> None:
+    def _refuse_if_it_cannot_fit(self, pipeline: Pipeline, request: ResolvedRequest) -> None:
         """ConfigError before any work when the request's activations would not fit this rank's memory (every rank
         on a CPU node shares the machine's RAM). The ranks decide together: where one refuses, all do."""
         layout = self.engine.layout

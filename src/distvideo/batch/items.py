@@ -17,7 +17,7 @@ from distvideo.errors import ConfigError
 from distvideo.images import image_fingerprint
 from distvideo.models.registry import ModelInfo
 from distvideo.models.schedules import SCHEDULE_KEYS
-from distvideo.request import GenerationRequest
+from distvideo.request import GenerationRequest, ResolvedRequest
 
 #: the fields an item may set (JSONL keys, generate_batch mappings); `output` names its video file in the folder
 ITEM_FIELDS = (
@@ -49,7 +49,7 @@ class BatchItem:
 
     index: int
     fields: dict[str, Any]
-    request: GenerationRequest | None = None
+    request: ResolvedRequest | None = None
     error: str | None = None  # a validation failure: the item is recorded as failed, the batch goes on
     fingerprint: str = ""
 
@@ -57,11 +57,14 @@ class BatchItem:
     def cost(self) -> int:
         """What the item costs to generate, for balancing replicas: frames x pixels x steps."""
         r = self.request
-        if r is None or None in (r.num_frames, r.height, r.width, r.num_inference_steps):
-            return 0
-        assert r.num_frames is not None and r.height is not None and r.width is not None
-        assert r.num_inference_steps is not None
-        return r.num_frames * r.height * r.width * r.num_inference_steps
+        return 0 if r is None else r.num_frames * r.height * r.width * r.num_inference_steps
+
+    @property
+    def resolved(self) -> ResolvedRequest:
+        """The request of an item that became one (every item the batch runs)."""
+        if self.request is None:
+            raise ValueError(f"batch item {self.index} was refused ({self.error}); it has no request to run")
+        return self.request
 
 
 def derive_seed(batch_seed: int, index: int) -> int:
@@ -126,7 +129,7 @@ def build_items(
 
 def _request_for(
     fields: dict[str, Any], model: ModelInfo, defaults: GenerationRequest, batch_seed: int, index: int
-) -> GenerationRequest:
+) -> ResolvedRequest:
     if "_error" in fields:
         raise ConfigError(str(fields["_error"]))
     named = item_fields(fields)
@@ -161,7 +164,7 @@ def item_fields(fields: Mapping[str, Any]) -> dict[str, Any]:
     return named
 
 
-def fingerprint(request: GenerationRequest) -> str:
+def fingerprint(request: ResolvedRequest) -> str:
     """sha256 of what decides the item's video (an image by the sha256 of its pixels or file)."""
     decided = {name: getattr(request, name) for name in DECIDING_FIELDS}
     for name in SCHEDULE_KEYS:  # in the fingerprint when set: manifests written before they were options still match

@@ -24,7 +24,7 @@ from distvideo.batch.manifest import Manifest, file_sha256
 from distvideo.media import write_video
 from distvideo.models.registry import ModelInfo
 from distvideo.paths import check_output_target, path_problem, sanitize_prompt
-from distvideo.request import GenerationRequest
+from distvideo.request import GenerationRequest, ResolvedRequest
 
 if TYPE_CHECKING:
     from distvideo.engine import ResolvedEngine
@@ -114,8 +114,7 @@ def record_refused(plan: BatchPlan) -> None:
 
 def video_name(item: BatchItem) -> str:
     """The item's video file in the folder: its `output`, else index, prompt and seed (the same on every run)."""
-    request = item.request
-    assert request is not None
+    request = item.resolved
     if request.output_path:
         return request.output_path if request.output_path.endswith(".mp4") else f"{request.output_path}.mp4"
     return f"{item.index:05d}_{sanitize_prompt(request.prompt)[:40]}_seed{request.seed}.mp4"
@@ -144,7 +143,7 @@ def run_batch(
     for item in plan.invalid:
         results[item.index] = BatchResult(item.index, "failed", None, None, error=item.error)
     shares = [
-        [(i.index, _for_worker(i.request)) for i in share] for share in assign(list(todo.values()), layout.replicas)
+        [(i.index, _for_worker(i.resolved)) for i in share] for share in assign(list(todo.values()), layout.replicas)
     ]
     channel = _Channel.open(engine, plan, shares, record) if engine.launch is not None and layout.replicas > 1 else None
 
@@ -169,16 +168,14 @@ def run_batch(
     return [results[i.index] for i in plan.items if i.index in results]
 
 
-def _for_worker(request: GenerationRequest | None) -> GenerationRequest:
-    assert request is not None
+def _for_worker(request: ResolvedRequest) -> ResolvedRequest:
     return dataclasses.replace(request, save_video=False, return_frames=True, output_path=None)
 
 
 def _finish(
     item: BatchItem, outcome: ItemOutcome, folder: Path, *, keep_frames: bool
 ) -> tuple[BatchResult, dict[str, Any]]:
-    request = item.request
-    assert request is not None and request.fps is not None  # resolved when the item was planned
+    request = item.resolved
     if outcome.output is None or outcome.output.frames is None:
         error = f"{outcome.error_type}: {outcome.error}" if outcome.error_type else "no frames came back"
         return BatchResult(item.index, "failed", None, request.seed, error=error), _record(item, outcome.replica, error)
@@ -250,7 +247,7 @@ class _Channel:
         cls,
         engine: ResolvedEngine,
         plan: BatchPlan,
-        shares: list[list[tuple[int, GenerationRequest]]],
+        shares: list[list[tuple[int, ResolvedRequest]]],
         record: Callable[[dict[str, Any]], None],
     ) -> _Channel:
         from distvideo.executors.store import connect  # torch.distributed: only under a launcher

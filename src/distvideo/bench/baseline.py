@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from distvideo.devices import peak_memory_mb, reset_peak_memory
-from distvideo.request import GenerationRequest
+from distvideo.request import ResolvedRequest
 
 logger = logging.getLogger("distvideo.cli")
 
@@ -92,7 +92,7 @@ class _DiffusersTimer:
         if "denoising_start" not in self.marks:
             self.marks["denoising_start"] = self._now()
 
-    def run(self, request: GenerationRequest, return_frames: bool) -> dict[str, Any]:
+    def run(self, request: ResolvedRequest, return_frames: bool) -> dict[str, Any]:
         import numpy as np
         import torch
 
@@ -211,7 +211,7 @@ class DiffusersBaseline:
             raise RuntimeError(f"diffusers baseline failed while {what}: {message[1]}")
         return message[1]
 
-    def run(self, request: GenerationRequest, return_frames: bool = False) -> dict[str, Any]:
+    def run(self, request: ResolvedRequest, return_frames: bool = False) -> dict[str, Any]:
         self._conn.send(("run", request, return_frames))
         return self._receive("generating")
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from distvideo.bench.plan import MATMUL_SECONDS, RATIO_FIGURES, STAGES
 from distvideo.devices import component_dtypes, memory_in_use_mb, peak_memory_mb, reset_peak_memory
-from distvideo.request import GenerationRequest
+from distvideo.request import ResolvedRequest
 
 if TYPE_CHECKING:
     import numpy as np
@@ -129,7 +129,7 @@ def device_name(device: Any) -> str:
 PER_RANK = ("peak_memory_mb_per_rank", "weights_mb_per_rank", "peak_above_loaded_mb_per_rank")
 
 
-def distvideo_run(gen: GeneratorHandle, request: GenerationRequest) -> tuple[dict[str, Any], np.ndarray | None]:
+def distvideo_run(gen: GeneratorHandle, request: ResolvedRequest) -> tuple[dict[str, Any], np.ndarray | None]:
     """One measured distvideo request on every rank: e2e wall time, stage timings, and per rank the peak memory, the
     weights held and the peak above the loaded rank (the peak minus the memory in use before the run)."""
     starts = gen.collective_rpc(rank_memory_start)

@@ -13,7 +13,7 @@ from distvideo.cli.arguments import add_engine_arguments, add_request_arguments,
 from distvideo.engine import ResolvedEngine
 from distvideo.errors import ConfigError
 from distvideo.paths import check_output_target
-from distvideo.request import GenerationRequest
+from distvideo.request import ResolvedRequest
 
 DEFAULT_PROMPT = "a red fox running through snow"
 STAGES = ("text_encoding", "denoising", "denoising_per_step", "decoding")
@@ -43,7 +43,7 @@ def add_bench_parser(sub: Any) -> None:
 @dataclass
 class BenchPlan:
     engine: ResolvedEngine
-    request: GenerationRequest  # resolved against the model: every field set
+    request: ResolvedRequest
     runs: int
     warmup: int
     compare: str | None
@@ -56,7 +56,6 @@ class BenchPlan:
     @property
     def transformer_forwards(self) -> int:
         """Forwards per request: one per step, two with classifier-free guidance (as both pipelines decide)."""
-        assert self.request.num_inference_steps is not None and self.request.guidance_scale is not None
         return self.request.num_inference_steps * (2 if self.request.guidance_scale > 1.0 else 1)
 
     @property
@@ -82,7 +81,7 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
             )
         if not json_path.parent.is_dir():
             raise ConfigError(f"--json {args.json_path}: folder {json_path.parent} does not exist; create it first")
-    engine, request = configs_from_args(args)
+    engine, given = configs_from_args(args)
     if engine.lora and args.compare == "diffusers":
         raise ConfigError("--lora with --compare diffusers: the diffusers side would run without the adapter; drop one")
     # one bar per run instead of the per-step bar; bad paths and impossible layouts fail here, before any process
@@ -90,7 +89,7 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
     if json_path is not None and resolved.launch is None:  # (launched ranks: rank 0 writes it, the others never)
         check_output_target(json_path, name="--json")
     info = resolved.model
-    request = info.resolve_request(dataclasses.replace(request, save_video=False, return_frames=True))
+    request = info.resolve_request(dataclasses.replace(given, save_video=False, return_frames=True))
     try:
         tr_config = json.loads((info.path / "transformer" / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as exc:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from distvideo.bench.measure import default_matmul_size, device_name, median_record
 from distvideo.bench.plan import MATMUL_SECONDS, RATIO_FIGURES, BenchPlan
 from distvideo.paths import replace_file
-from distvideo.request import GenerationRequest
+from distvideo.request import ResolvedRequest
 
 if TYPE_CHECKING:
     from distvideo.protocols import GeneratorHandle
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 def build_report(
     gen: GeneratorHandle,
     plan: BenchPlan,
-    request: GenerationRequest,
+    request: ResolvedRequest,
     runs: list[dict[str, Any]],
     rank_envs: list[dict[str, Any]],
     frames_diff: int | None,

@@ -26,7 +26,7 @@ from distvideo.bench.measure import (
 )
 from distvideo.bench.plan import BenchPlan
 from distvideo.bench.report import build_report, format_report, write_json
-from distvideo.request import GenerationRequest
+from distvideo.request import ResolvedRequest
 
 if TYPE_CHECKING:
     from distvideo.protocols import GeneratorHandle
@@ -72,7 +72,7 @@ def cmd_bench(args: argparse.Namespace, plan: BenchPlan) -> int:
 def run_bench(
     gen: GeneratorHandle,
     plan: BenchPlan,
-    request: GenerationRequest,
+    request: ResolvedRequest,
     show_progress: bool,
     started: DiffusersBaseline | None = None,
 ) -> dict[str, Any] | None:
@@ -98,7 +98,7 @@ def run_bench(
 def load_baseline(
     gen: GeneratorHandle,
     plan: BenchPlan,
-    request: GenerationRequest,
+    request: ResolvedRequest,
     rank_envs: list[dict[str, Any]],
     notes: list[str],
     started: DiffusersBaseline | None = None,
@@ -131,7 +131,7 @@ def load_baseline(
 def measure_interleaved(
     gen: GeneratorHandle,
     plan: BenchPlan,
-    request: GenerationRequest,
+    request: ResolvedRequest,
     baseline: DiffusersBaseline | None,
     notes: list[str],
     on_run: Callable[[], Any] | None = None,

@@ -39,7 +39,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             f"of the package and is not rewritten. Calibrate a copy instead: cp -r {engine.model.path} "
             f"~/models/{engine.model.path.name} && distvideo calibrate --model ~/models/{engine.model.path.name}"
         )
-    request = GenerationRequest(
+    given = GenerationRequest(
         prompt=args.prompt,
         seed=args.seed,
         num_inference_steps=args.num_inference_steps,
@@ -48,14 +48,13 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         return_frames=False,
         naming=cli_naming(args),
     )
-    request = engine.model.resolve_request(request)  # bad input (the step count) before loading
+    request = engine.model.resolve_request(given)  # bad input (the step count) before loading
     if engine.launch is None:  # the model folder takes the ratios file: refused before loading when it cannot
         check_output_target(engine.model.path / RATIOS_FILE, name="calibrate: the model folder's ratios file")
     with VideoGenerator.from_engine(engine) as gen:
         result = gen.generate_request(request)
     if result.cache is None or "ratios" not in result.cache:
         return 1  # a rank that holds no output
-    assert request.num_inference_steps is not None
     schedule = engine.model.schedule(request).key()  # the checkpoint's (or its distvideo_defaults.json's)
     path = write_ratios(engine.model.path, schedule, request.num_inference_steps, result.cache["ratios"])
     print(path, flush=True)

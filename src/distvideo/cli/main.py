@@ -130,15 +130,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # check the request against the model's JSON files before any process starts or weight loads; under a launcher
     # the image file is read later, on every rank at once, so a file missing on one node is refused on all of them
     # (exiting here on that node alone would leave the others waiting for it at the rendezvous)
-    request = engine.model.resolve_request(request, read_image=engine.executor != "external")
-    if request.save_video and engine.launch is None:  # where its video would go, too (launched ranks: later, together)
-        assert request.width is not None and request.height is not None and request.fps is not None
+    launched = engine.executor == "external"
+    resolved = engine.model.resolve_request(request, read_image=not launched)
+    if resolved.save_video and engine.launch is None:  # where its video would go, too (launched ranks: later, together)
         check_video_output(
-            request.output_path, request.prompt, request.seed, request.width, request.height, request.fps, "--output"
+            resolved.output_path,
+            resolved.prompt,
+            resolved.seed,
+            resolved.width,
+            resolved.height,
+            resolved.fps,
+            "--output",
         )
     with VideoGenerator.from_engine(engine) as gen:
-        try:
-            result = gen.generate_request(request)
+        try:  # launched ranks with an image resolve the request together, each reading the image (which may size it)
+            result = gen.generate_request(request if launched and request.image is not None else resolved)
         except VideoWriteError as exc:
             if exc.frames_path is None:  # the frames live only on the error, which ends with this command
                 raise VideoWriteError(str(exc).removesuffix(FRAMES_ON_ERROR) + "; the frames are lost") from exc

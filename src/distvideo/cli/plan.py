@@ -62,21 +62,15 @@ def _check(args: argparse.Namespace) -> None:
 def cmd_plan(args: argparse.Namespace) -> int:
     from distvideo.config import Naming
     from distvideo.models.embedded import embedded_model_path
-    from distvideo.models.family import IMAGE_REQUIRED
     from distvideo.models.hub import resolve_model
     from distvideo.models.registry import probe_model
-    from distvideo.parallel.planner import plan_for
-    from distvideo.request import GenerationRequest
+    from distvideo.parallel.planner import default_request, plan_for
 
     _check(args)
     name = args.model or envs.get("DISTVIDEO_MODEL")
     model = probe_model(resolve_model(name) if name else embedded_model_path())
-    # the request as generate resolves it; an image-to-video family gets a placeholder image (it does not change
-    # the layout, and is never read)
-    image = "(placeholder)" if model.family.image == IMAGE_REQUIRED else None
     sizes = {k: getattr(args, k) for k in ("height", "width", "num_frames", "guidance_scale")}
-    request = GenerationRequest(prompt="plan", image=image, **sizes, naming=Naming("flag"))
-    request = model.resolve_request(request, read_image=False)
+    request = default_request(model, Naming("flag"), **sizes)  # as generate resolves it
     memory = int(args.memory_gib * 2**30) if args.memory_gib else None
     plan = plan_for(
         model,

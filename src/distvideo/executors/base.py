@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from distvideo.errors import GenerationCancelled, GenerationTimeout, RankFailure
-from distvideo.request import GenerationRequest
+from distvideo.request import ResolvedRequest
 
 if TYPE_CHECKING:
     from distvideo.executors.store import StoreAddress
@@ -263,7 +263,7 @@ class Executor(abc.ABC):
 
     # -- written once, on top of collective_rpc -------------------------------------------------------------------
     def execute_forward(
-        self, request: GenerationRequest, on_progress: Callable[[int, int], None] | None = None
+        self, request: ResolvedRequest, on_progress: Callable[[int, int], None] | None = None
     ) -> WorkerOutput:
         """Run one request on every rank; return the output rank's WorkerOutput (under a launcher each rank its own,
         without frames off the output rank). `on_progress(done, total)` is called in this process after every
@@ -283,7 +283,7 @@ class Executor(abc.ABC):
         return output
 
     def execute_batch(
-        self, shares: list[list[tuple[int, GenerationRequest]]], on_item: Callable[[ItemOutcome], None]
+        self, shares: list[list[tuple[int, ResolvedRequest]]], on_item: Callable[[ItemOutcome], None]
     ) -> None:
         """Every replica runs its share (replica k: `shares[k]`, (index, request) pairs, in order); replicas do not
         wait on each other until the end. `on_item(ItemOutcome)` is called after every item, in the process that holds

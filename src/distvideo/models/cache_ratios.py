@@ -13,7 +13,7 @@ from typing import Any
 
 from distvideo.errors import ConfigError
 from distvideo.paths import replace_file
-from distvideo.request import CACHE_CALIBRATE, GenerationRequest
+from distvideo.request import CACHE_CALIBRATE, ResolvedRequest
 
 RATIOS_FILE = "distvideo_cache_ratios.json"
 #: keys a checkpoint's distvideo_defaults.json may set for step caching
@@ -80,14 +80,12 @@ def write_ratios(root: Path, scheduler: str, steps: int, ratios: list[float]) ->
 
 
 def resolve_cache(
-    request: GenerationRequest, ratios: dict[str, list[float]], scheduler: str, model: Path
-) -> GenerationRequest:
+    request: ResolvedRequest, ratios: dict[str, list[float]], scheduler: str, model: Path
+) -> ResolvedRequest:
     """Fill the cache fields of a request whose other fields are resolved from the method's METHOD_DEFAULTS row:
     method "none" when unset, the threshold (for the step count), warmup and skips in a row; a calibrated method
     needs ratios for this scheduler and step count; a method without a threshold refuses one."""
-    method = request.cache or "none"
-    steps = request.num_inference_steps
-    assert steps is not None
+    method, steps = request.cache, request.num_inference_steps
     if method == "none" or method == CACHE_CALIBRATE:
         return dataclasses.replace(request, cache=method)
     n, defaults = request.naming, METHOD_DEFAULTS[method]
@@ -121,14 +119,14 @@ def resolve_cache(
     )
 
 
-def check_cache_servable(request: GenerationRequest, *, compiled: bool) -> None:
+def check_cache_servable(request: ResolvedRequest, *, compiled: bool) -> None:
     """A cached request on an engine whose blocks are compiled (--compile): refused, as the engine has no step-cache
     hooks there (the compiled blocks would trace the per-step decisions)."""
     if compiled and request.cache not in (None, "none"):
         raise compile_refusal(request)
 
 
-def compile_refusal(request: GenerationRequest) -> ConfigError:
+def compile_refusal(request: ResolvedRequest) -> ConfigError:
     """The error for a cached request on an engine that compiles its blocks."""
     n = request.naming
     return ConfigError(
@@ -138,7 +136,7 @@ def compile_refusal(request: GenerationRequest) -> ConfigError:
     )
 
 
-def _uncalibrated(request: GenerationRequest, ratios: dict[str, list[float]], scheduler: str, model: Path) -> str:
+def _uncalibrated(request: ResolvedRequest, ratios: dict[str, list[float]], scheduler: str, model: Path) -> str:
     """Why mag cannot run this step count, and what would: the calibrated step counts, first-block, or calibrating.
     A client of the service is told to ask its operator, and is shown no path of the server's."""
     n, steps = request.naming, request.num_inference_steps

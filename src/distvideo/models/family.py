@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from distvideo.models.registry import ModelInfo
-    from distvideo.request import GenerationRequest
+    from distvideo.request import ResolvedRequest
 
 IMAGE_NONE, IMAGE_OPTIONAL, IMAGE_REQUIRED = "none", "optional", "required"
 
@@ -68,7 +68,7 @@ class ModelFamily:
     text_tokens: int = 512  # text tokens a step attends to (the layout planner's cost model): Wan pads to 512
     #: (checkpoint, resolved request, the transformer's input shape) -> matmul FLOPs of one forward by part (the
     #: bench's MFU; models/flops.py says what counts); None: the bench reports no FLOP figures for the family
-    transformer_flops: Callable[[ModelInfo, GenerationRequest, Sequence[int]], dict[str, int]] | None = None
+    transformer_flops: Callable[[ModelInfo, ResolvedRequest, Sequence[int]], dict[str, int]] | None = None
     #: (module, class names) its checkpoints' components come from: imported once by the mp executor's fork server
     #: (models/preload.py), so forked workers start with them
     libraries: tuple[tuple[str, tuple[str, ...]], ...] = ()

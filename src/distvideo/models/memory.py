@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from distvideo.models.registry import ModelInfo
-from distvideo.request import GenerationRequest
+from distvideo.request import ResolvedRequest
 
 #: bytes per output pixel per channel of the decoder's base width, for the decode's working set (caches included)
 DECODE_BYTES_PER_PIXEL_CHANNEL = 250
@@ -69,7 +69,7 @@ class MemoryEstimate:
 
 def estimate_request(
     model: ModelInfo,
-    request: GenerationRequest,
+    request: ResolvedRequest,
     *,
     sp_size: int = 1,
     decode_bands: int = 1,
@@ -83,7 +83,6 @@ def estimate_request(
     the weight bytes each offloaded component brings onto the device for its stage (ComponentOffload's
     `device_bytes_per_visit`: "text_encoder", "image_encoder", "vae"). `gathered`: under sharded weights, the bytes
     of full parameters a rank holds at once while the transformer runs (parallel/shard.py `gathered_bytes`)."""
-    assert request.num_frames is not None and request.height is not None and request.width is not None
     _, _, frames, rows, cols = model.latent_shape(request)
     p_t, p_h, p_w = model.patch_size
     tokens = math.ceil((frames // p_t) * (rows // p_h) * (cols // p_w) / sp_size)
@@ -105,10 +104,9 @@ def estimate_request(
     )
 
 
-def fitting_size(model: ModelInfo, request: GenerationRequest, estimate: int, limit: int) -> tuple[int, int]:
+def fitting_size(model: ModelInfo, request: ResolvedRequest, estimate: int, limit: int) -> tuple[int, int]:
     """The largest (height, width) of the request's aspect, in steps of the model's stride, whose estimate would fit
     `limit` (the decode's memory grows with the pixels)."""
-    assert request.height is not None and request.width is not None
     stride = model.spatial_stride
     scale = math.sqrt(max(limit, 1) / max(estimate, 1)) * 0.95
     height = max(stride, int(request.height * scale) // stride * stride)

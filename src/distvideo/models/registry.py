@@ -18,7 +18,7 @@ from distvideo.errors import ConfigError
 from distvideo.models.cache_ratios import CACHE_DEFAULT_KEYS, read_ratios, resolve_cache
 from distvideo.models.family import IMAGE_NONE, IMAGE_REQUIRED, ModelFamily, registered_families
 from distvideo.models.schedules import SCHEDULE_KEYS, Schedule, fill_schedule, schedule_for
-from distvideo.request import GenerationRequest, check_schedule_fields
+from distvideo.request import GenerationRequest, ResolvedRequest, check_schedule_fields
 
 DEFAULTS_FILE = "distvideo_defaults.json"
 
@@ -40,7 +40,7 @@ class ModelInfo:
     cache_ratios: dict[str, list[float]] = field(default_factory=dict)  # MagCache's, from models/cache_ratios.py
     scheduler_config: dict[str, Any] = field(default_factory=dict)  # scheduler/scheduler_config.json, as read
 
-    def schedule(self, request: GenerationRequest) -> Schedule:
+    def schedule(self, request: ResolvedRequest) -> Schedule:
         """The noise schedule of a resolved request (models/schedules.py)."""
         return schedule_for(request, self.scheduler_config)
 
@@ -48,9 +48,8 @@ class ModelInfo:
     def spatial_stride(self) -> int:
         return self.vae_scale_spatial * max(self.patch_size[1], self.patch_size[2])
 
-    def latent_shape(self, request: GenerationRequest) -> tuple[int, int, int, int, int]:
+    def latent_shape(self, request: ResolvedRequest) -> tuple[int, int, int, int, int]:
         """(batch, channels, latent frames, latent rows, latent columns) of a resolved request."""
-        assert request.num_frames is not None and request.height is not None and request.width is not None
         return (
             1,
             self.latent_channels,
@@ -59,19 +58,43 @@ class ModelInfo:
             request.width // self.vae_scale_spatial,
         )
 
-    def resolve_request(self, request: GenerationRequest, *, read_image: bool = True) -> GenerationRequest:
-        """Fill unset fields with the model's defaults and check what depends on the model (ConfigError, naming the
-        family where the request does not fit it). `read_image`: read the image (a file path: from this node's disk)
-        into a uint8 RGB array; False checks only whether the family takes one."""
+    def resolve_request(self, request: GenerationRequest, *, read_image: bool = True) -> ResolvedRequest:
+        """The request resolved against this model, once: unset fields filled with the model's defaults, and what
+        depends on the model checked (ConfigError, naming the family where the request does not fit it).
+        `read_image`: read the image (a file path: from this node's disk) into a uint8 RGB array, and size the
+        request by it where the family does so; False checks only whether the family takes one."""
         self._check_family_inputs(request)
         request, defaults = fill_schedule(request, self.defaults)
         if self.family.experts == 2 and request.guidance_scale is not None:
             defaults["guidance_scale_2"] = request.guidance_scale  # as diffusers: the low-noise expert's follows it
         filled = dataclasses.replace(request, **{k: v for k, v in defaults.items() if getattr(request, k, 0) is None})
         filled.validate()
-        n = filled.naming
+        resolved = ResolvedRequest.of(filled, experts=self.family.experts)
+        self._check_strides(resolved)
+        schedule = self.schedule(resolved)  # checks the schedule options against the checkpoint's scheduler
+        resolved = resolve_cache(resolved, self.cache_ratios, schedule.key(), self.path)
+        n = resolved.naming
+        if resolved.cache != "none" and self.family.cache_points is None:
+            raise ConfigError(
+                f"{n.subject('cache', resolved.cache)}: {self.path.name} is {self.family.name}, whose blocks the step "
+                f"cache does not serve yet (the family declares no cache points); drop {n.label('cache')} (or give "
+                f"{n.setting('cache', 'none')})",
+                param="cache",
+            )
+        if read_image and resolved.image is not None:
+            resolved = resolved.read_image()
+            sized = self.family.size_for_image
+            if sized is not None and request.height is None and request.width is None:
+                rows, cols = resolved.image.shape[:2]
+                height, width = sized(rows, cols, self.transformer_config)
+                resolved = dataclasses.replace(resolved, height=height, width=width)
+        return resolved
+
+    def _check_strides(self, request: ResolvedRequest) -> None:
+        """The size and frame count the VAE and the patch size stride."""
+        n = request.naming
         for name in ("height", "width"):
-            value = getattr(filled, name)
+            value = getattr(request, name)
             if value % self.spatial_stride:
                 lower = max(self.spatial_stride, value // self.spatial_stride * self.spatial_stride)
                 raise ConfigError(
@@ -81,33 +104,13 @@ class ModelInfo:
                     param=name,
                 )
         k = self.vae_scale_temporal
-        assert filled.num_frames is not None  # the family's defaults fill every field
-        if (filled.num_frames - 1) % k:
-            lower = (filled.num_frames - 1) // k * k + 1
+        if (request.num_frames - 1) % k:
+            lower = (request.num_frames - 1) // k * k + 1
             raise ConfigError(
-                f"{n.subject('num_frames', filled.num_frames)} must be of the form {k}k+1 for this model (its VAE "
+                f"{n.subject('num_frames', request.num_frames)} must be of the form {k}k+1 for this model (its VAE "
                 f"packs {k} frames into one latent frame after the first); try {lower} or {lower + k}",
                 param="num_frames",
             )
-        schedule = self.schedule(filled)  # checks the schedule options against the checkpoint's scheduler
-        filled = resolve_cache(filled, self.cache_ratios, schedule.key(), self.path)
-        if filled.cache not in (None, "none") and self.family.cache_points is None:
-            raise ConfigError(
-                f"{n.subject('cache', filled.cache)}: {self.path.name} is {self.family.name}, whose blocks the step "
-                f"cache does not serve yet (the family declares no cache points); drop {n.label('cache')} (or give "
-                f"{n.setting('cache', 'none')})",
-                param="cache",
-            )
-        if read_image and filled.image is not None:
-            from distvideo.images import load_image
-
-            filled = dataclasses.replace(filled, image=load_image(filled.image, n.label("image")))
-            sized = self.family.size_for_image
-            if sized is not None and request.height is None and request.width is None:
-                rows, cols = filled.image.shape[:2]
-                height, width = sized(rows, cols, self.transformer_config)
-                filled = dataclasses.replace(filled, height=height, width=width)
-        return filled
 
     def _check_family_inputs(self, request: GenerationRequest) -> None:
         family, n = self.family, request.naming

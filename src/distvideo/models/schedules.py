@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from distvideo.errors import ConfigError
-from distvideo.request import GenerationRequest
+from distvideo.request import GenerationRequest, ResolvedRequest
 
 #: --scheduler's names -> diffusers' classes (the flow-matching ones every Wan-style checkpoint can run)
 SCHEDULER_CLASSES = {
@@ -62,8 +62,8 @@ def fill_schedule(request: GenerationRequest, defaults: dict[str, Any]) -> tuple
     return request, defaults
 
 
-def schedule_for(request: GenerationRequest, checkpoint: dict[str, Any]) -> Schedule:
-    """The schedule of a request whose fields are checked (GenerationRequest.validate), against the checkpoint's
+def schedule_for(request: ResolvedRequest, checkpoint: dict[str, Any]) -> Schedule:
+    """The schedule of a resolved request, against the checkpoint's
     scheduler config; ConfigError naming the option where that scheduler cannot take it."""
     n = request.naming
     base = str(checkpoint.get("_class_name", ""))
@@ -92,7 +92,7 @@ def schedule_for(request: GenerationRequest, checkpoint: dict[str, Any]) -> Sche
     return Schedule(cls, config, sigmas, default)
 
 
-def _explicit_sigmas(request: GenerationRequest, train: int) -> tuple[float, ...] | None:
+def _explicit_sigmas(request: ResolvedRequest, train: int) -> tuple[float, ...] | None:
     if request.sigmas is not None:
         return tuple(float(s) for s in request.sigmas)
     if request.timesteps is None:
@@ -107,7 +107,7 @@ def _explicit_sigmas(request: GenerationRequest, train: int) -> tuple[float, ...
     return tuple(float(t) / train for t in request.timesteps)
 
 
-def _check_takes_sigmas(request: GenerationRequest, cls: str, config: dict[str, Any]) -> None:
+def _check_takes_sigmas(request: ResolvedRequest, cls: str, config: dict[str, Any]) -> None:
     """An explicit list runs on Euler, or UniPC with flow sigmas (diffusers' DPM-Solver takes no flow list)."""
     if cls == _EULER or (cls == _UNIPC and config.get("use_flow_sigmas")):
         return

@@ -15,15 +15,17 @@ import struct
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from distvideo import envs
-from distvideo.config import EngineConfig
+from distvideo.config import EngineConfig, Naming
 from distvideo.errors import ConfigError
+from distvideo.models.family import IMAGE_REQUIRED
 from distvideo.models.memory import estimate_request
 from distvideo.models.registry import ModelInfo
 from distvideo.parallel.autolayout import Hardware, ModelFigures, Plan, RequestFigures, plan_layout
 from distvideo.parallel.layout import ParallelLayout, resolve_layout
-from distvideo.request import GenerationRequest, is_guided
+from distvideo.request import GenerationRequest, ResolvedRequest, is_guided
 
 #: the options that make a layout explicit: any of them given, the rules of parallel/layout.py fill the rest
 LAYOUT_OPTIONS = ("sp_size", "ulysses_size", "ring_size", "cfg_parallel", "replicas", "shard_weights")
@@ -152,20 +154,16 @@ def model_figures(
     )
 
 
-def default_request(model: ModelInfo) -> GenerationRequest:
-    """The request the engine plans for: the model's defaults (size, frames, guidance)."""
-    d = model.defaults
-    return GenerationRequest(
-        prompt="plan",
-        num_frames=d["num_frames"],
-        height=d["height"],
-        width=d["width"],
-        guidance_scale=d.get("guidance_scale"),
-        guidance_scale_2=d.get("guidance_scale_2"),
-    )
+def default_request(model: ModelInfo, naming: Naming | None = None, **given: Any) -> ResolvedRequest:
+    """The request the engine plans for: the model's defaults (size, frames, guidance) under the `given` fields,
+    resolved as generate resolves one; an image-to-video family gets a placeholder image (it does not change the
+    layout, and is never read)."""
+    image = "(placeholder)" if model.family.image == IMAGE_REQUIRED else None
+    request = GenerationRequest(prompt="plan", image=image, **given, naming=naming or Naming())
+    return model.resolve_request(request, read_image=False)
 
 
-def request_figures(model: ModelInfo, request: GenerationRequest, dtype_bytes: int) -> RequestFigures:
+def request_figures(model: ModelInfo, request: ResolvedRequest, dtype_bytes: int) -> RequestFigures:
     """One request's tokens, guidance and memory on a rank holding all of it (models/memory.py's estimate)."""
     _, channels, frames, rows, cols = model.latent_shape(request)
     p_t, p_h, p_w = model.patch_size
@@ -183,7 +181,7 @@ def request_figures(model: ModelInfo, request: GenerationRequest, dtype_bytes: i
 
 def plan_for(
     model: ModelInfo,
-    request: GenerationRequest,
+    request: ResolvedRequest,
     world: int,
     *,
     ranks_per_node: int | None = None,

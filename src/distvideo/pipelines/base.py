@@ -35,7 +35,7 @@ from distvideo.pipelines.caching import step_cache
 from distvideo.pipelines.control import StepControl
 from distvideo.pipelines.offload import ComponentOffload
 from distvideo.pipelines.schedules import request_scheduler
-from distvideo.request import GenerationRequest, is_guided
+from distvideo.request import ResolvedRequest, is_guided
 
 if TYPE_CHECKING:
     from distvideo.parallel.context import ParallelContext
@@ -51,7 +51,7 @@ class Batch:
     ``negative_prompt_embeds`` hold what the family's `encode_prompt` returns for one prompt (a tensor, or the
     family's own record of several), handed to its step's `noise` untouched by the shared guidance and CFG split."""
 
-    request: GenerationRequest
+    request: ResolvedRequest
     do_cfg: bool = False
     prompt_embeds: Any = None
     negative_prompt_embeds: Any = None
@@ -71,7 +71,7 @@ class Pipeline(Protocol):
     transformer: nn.Module
     offload: ComponentOffload
 
-    def __call__(self, request: GenerationRequest, control: StepControl | None = None) -> Batch: ...
+    def __call__(self, request: ResolvedRequest, control: StepControl | None = None) -> Batch: ...
 
 
 def record_per_step_denoising(timings: dict[str, float], steps: int, *, excluded_s: float = 0.0) -> None:
@@ -122,7 +122,7 @@ class DenoisingPipeline(ABC):
         """Keep the tokenizers and text encoders; return the encoders by component name (offloaded together)."""
 
     @abstractmethod
-    def encode_prompt(self, text: str, request: GenerationRequest) -> Any:
+    def encode_prompt(self, text: str, request: ResolvedRequest) -> Any:
         """One prompt's text conditioning, as the step's `noise` takes it."""
 
     @abstractmethod
@@ -137,7 +137,7 @@ class DenoisingPipeline(ABC):
     def stages(self, control: StepControl | None) -> list[Stage]:
         """The family's stages in the order of its algorithm (:meth:`denoise_stage` reports to `control`)."""
 
-    def new_batch(self, request: GenerationRequest) -> Batch:
+    def new_batch(self, request: ResolvedRequest) -> Batch:
         return Batch(request=request, do_cfg=is_guided(request))
 
     # -- the shared stages ---------------------------------------------------------------------------------------
@@ -230,7 +230,7 @@ class DenoisingPipeline(ABC):
         return self.parallel.computed_once(compute)
 
     # -- driver ----------------------------------------------------------------------------------------------
-    def __call__(self, request: GenerationRequest, control: StepControl | None = None) -> Batch:
+    def __call__(self, request: ResolvedRequest, control: StepControl | None = None) -> Batch:
         """Run the family's stages for a request whose fields are resolved (ModelInfo.resolve_request); `control`
         reports progress and may stop the request between denoising steps."""
         return self.run_stages(self.new_batch(request), self.stages(control))

@@ -12,18 +12,17 @@ import torch
 
 from distvideo.models.registry import ModelInfo
 from distvideo.models.schedules import SCHEDULER_CLASSES
-from distvideo.request import GenerationRequest
+from distvideo.request import ResolvedRequest
 
 
 def request_scheduler(
-    model: ModelInfo, request: GenerationRequest, device: torch.device, *, linear_sigmas: bool = False
+    model: ModelInfo, request: ResolvedRequest, device: torch.device, *, linear_sigmas: bool = False
 ) -> Any:
     """`linear_sigmas`: the family spaces its steps by sigmas 1 ... 1/steps (HunyuanVideo 1.5, as its diffusers
     pipeline) where the request gives no list; a multistep DPM-Solver spaces its own."""
     schedule = model.schedule(request)
     scheduler = getattr(diffusers, schedule.class_name).from_config(schedule.config)
     steps = request.num_inference_steps
-    assert steps is not None
     sigmas: Any = schedule.sigmas
     if sigmas is None and linear_sigmas and schedule.class_name != SCHEDULER_CLASSES["dpm"]:
         sigmas = np.linspace(1.0, 0.0, steps + 1)[:-1]

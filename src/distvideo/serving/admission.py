@@ -1,4 +1,4 @@
-"""Admission: a POST body becomes a resolved GenerationRequest, or an error naming the field, before anything is
+"""Admission: a POST body becomes a ResolvedRequest, or an error naming the field, before anything is
 queued. The model's own rules come from `ModelInfo.resolve_request` (the same check `distvideo generate` runs)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from distvideo.errors import ConfigError
 from distvideo.models.embedded import prompt_warning
 from distvideo.models.registry import ModelInfo
 from distvideo.models.schedules import SCHEDULE_KEYS  # chosen per request too
-from distvideo.request import GenerationRequest
+from distvideo.request import GenerationRequest, ResolvedRequest
 from distvideo.serving.options import ServeLimits
 from distvideo.serving.schemas import VideoCreate
 
@@ -62,8 +62,8 @@ class Admission:
 
     def admit(
         self, body: VideoCreate, job_id: str, image_path: str | None = None
-    ) -> tuple[dict[str, Any], GenerationRequest]:
-        """(the job's fields as the API shows them, the resolved GenerationRequest). Raises ApiError(422)."""
+    ) -> tuple[dict[str, Any], ResolvedRequest]:
+        """(the job's fields as the API shows them, the ResolvedRequest). Raises ApiError(422)."""
         if body.model is not None and body.model != self.model_id:
             raise ApiError(
                 422, f"model={body.model!r} is not served here; this server runs {self.model_id!r}", param="model"
@@ -81,8 +81,7 @@ class Admission:
         request = self._request(body, job_id, image_path)
         try:
             if body.seconds is not None:  # a duration: frames at the request's rate, which the model's defaults decide
-                fps = self.model.resolve_request(dataclasses.replace(request, num_frames=None), read_image=False).fps
-                assert fps is not None
+                fps = request.fps if request.fps is not None else int(self.model.defaults["fps"])
                 request = dataclasses.replace(request, num_frames=self._frames_of(body, fps))
             resolved = self.model.resolve_request(request)  # reads the image: one that is not is refused here
             if image_path is not None:  # the engine reads it again on every rank, from the path
@@ -90,7 +89,6 @@ class Admission:
         except ConfigError as exc:
             raise self.refusal(exc, body, image_path) from None
         self._check_limits(resolved, body)
-        assert resolved.num_frames and resolved.width and resolved.height and resolved.fps
         api = {
             "prompt": resolved.prompt,
             "size": f"{resolved.width}x{resolved.height}",
@@ -176,7 +174,7 @@ class Admission:
             return "seconds"
         return name if name in VideoCreate.model_fields else None
 
-    def _check_limits(self, request: GenerationRequest, body: VideoCreate) -> None:
+    def _check_limits(self, request: ResolvedRequest, body: VideoCreate) -> None:
         limits = self.limits
         assert request.num_frames and request.width and request.height and request.num_inference_steps
         if request.num_frames > limits.max_frames:

@@ -5,7 +5,7 @@ Why the store and not a collective: a broadcast that waits for the next job woul
 idle, hours, and every collective gives up after dist_timeout (600 s by default). A store `wait` for one key has its
 own timeout, costs nothing while it waits (the store answers when the key is set) and needs no polling; a rank
 whose store connection drops learns at once that the host of the store (rank 0, or torchrun's agent) is gone.
-Messages: `msg/<n>` = {"kind": "job", "id", "request": {GenerationRequest fields}, "lora": [name, strength] | null}
+Messages: `msg/<n>` = {"kind": "job", "id", "request": {ResolvedRequest fields}, "lora": [name, strength] | null}
 or {"kind": "stop", "reason"}; `stop-request` = {"rank", "reason"} from any rank that received SIGTERM. Every key
 sits under `distvideo/serve/<session>/`, a token rank 0 drew at start-up and every rank learned through one
 `collective_rpc`, so a restarted job never reads its predecessor's messages from a store that outlived it.

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from distvideo.request import GenerationRequest
+    from distvideo.request import ResolvedRequest
 
 LOADING, OK, STOPPING, UNHEALTHY = "loading", "ok", "stopping", "unhealthy"
 
@@ -19,7 +19,7 @@ LOADING, OK, STOPPING, UNHEALTHY = "loading", "ok", "stopping", "unhealthy"
 @dataclass
 class QueuedJob:
     id: str
-    request: GenerationRequest  # resolved
+    request: ResolvedRequest
     lora: tuple[str, float] | None = None
     client: str = ""  # who submitted it (which API key): jobs are taken round-robin across clients
 

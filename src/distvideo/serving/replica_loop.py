@@ -5,7 +5,7 @@ time, independently of the other replicas.
 Messages are JSON under one namespace of the store (`executors/store.py`), never pickles:
 
 - `r<k>/job/<n>`: rank 0 -> every rank of replica k: its n-th job `{"kind": "job", "id", "request"}` (the resolved
-  GenerationRequest's fields) or `{"kind": "stop"}`.
+  ResolvedRequest's fields) or `{"kind": "stop"}`.
 - `r<k>/cancel/<n>`: set by rank 0 to stop job n of replica k; its ranks read it between denoising steps (and decide
   together, so they stop at the same step).
 - `r<k>/ev/<m>`: replica k's output rank -> rank 0, in order: `progress` (step done of total), `completed` (the video's
@@ -34,7 +34,7 @@ import torch.distributed as dist
 from distvideo.errors import ProcessGroupBrokenError, WorkerDiedError
 from distvideo.executors.store import StoreAddress, StoreChannel, connect_to
 from distvideo.media import write_video
-from distvideo.request import GenerationRequest
+from distvideo.request import ResolvedRequest
 
 if TYPE_CHECKING:
     from distvideo.outputs import ItemOutcome
@@ -137,11 +137,11 @@ def _run_job(
     worker: Any, store: StoreChannel, replica: int, n: int, message: dict[str, Any], reporter: _Reporter | None
 ) -> None:
     job_id = str(message["id"])
-    request = GenerationRequest(**message["request"])
-    assert request.output_path is not None and request.fps is not None  # resolved and named by admission
+    request = ResolvedRequest(**message["request"])  # resolved by admission, which named its file
+    target = Path(str(request.output_path))
     work = dataclasses.replace(request, save_video=False, return_frames=True, output_path=None)
-    shares: list[list[tuple[int, GenerationRequest]]] = [[] for _ in range(replica)] + [[(n, work)]]
-    watch = _StepWatch(store, cancel_key(replica, n), reporter, job_id, int(request.num_inference_steps or 0))
+    shares: list[list[tuple[int, ResolvedRequest]]] = [[] for _ in range(replica)] + [[(n, work)]]
+    watch = _StepWatch(store, cancel_key(replica, n), reporter, job_id, request.num_inference_steps)
     outcomes: list[ItemOutcome] = []
     try:
         worker.execute_batch(shares, emit=outcomes.append, cancelled=watch)
@@ -162,7 +162,7 @@ def _run_job(
         return
     start = time.perf_counter()
     try:
-        video = write_video(outcome.output.frames, Path(request.output_path), fps=request.fps)
+        video = write_video(outcome.output.frames, target, fps=request.fps)
     except Exception as exc:
         reporter.send({"kind": "failed", "id": job_id, "error_type": type(exc).__name__, "error": str(exc)})
         return

@@ -18,7 +18,7 @@ from distvideo.errors import (
     ProcessGroupBrokenError,
     WorkerDiedError,
 )
-from distvideo.request import GenerationRequest
+from distvideo.request import ResolvedRequest
 from distvideo.serving.adapters import Adapters
 from distvideo.serving.board import ReplicaBoard
 from distvideo.serving.channel import JobChannel
@@ -175,7 +175,7 @@ def follow(gen: GeneratorHandle, channel: JobChannel, adapters: Adapters) -> int
         lora = message.get("lora")
         try:
             adapters.for_job((str(lora[0]), float(lora[1])) if lora else None)
-            gen.generate_request(GenerationRequest(**message["request"]))
+            gen.generate_request(ResolvedRequest(**message["request"]))
         except FATAL:
             raise
         except Exception as exc:  # the same error reached rank 0, which records it

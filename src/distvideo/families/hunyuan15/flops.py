@@ -10,7 +10,7 @@ from distvideo.models.flops import matmul_flops
 
 if TYPE_CHECKING:
     from distvideo.models.registry import ModelInfo
-    from distvideo.request import GenerationRequest
+    from distvideo.request import ResolvedRequest
 
 __all__ = ["HUNYUAN15_TOKENS", "hunyuan15_transformer_flops_breakdown", "transformer_flops"]
 
@@ -58,5 +58,5 @@ def hunyuan15_transformer_flops_breakdown(config: Mapping[str, Any], latent_shap
     }
 
 
-def transformer_flops(info: ModelInfo, request: GenerationRequest, input_shape: Sequence[int]) -> dict[str, int]:
+def transformer_flops(info: ModelInfo, request: ResolvedRequest, input_shape: Sequence[int]) -> dict[str, int]:
     return hunyuan15_transformer_flops_breakdown(info.transformer_config, input_shape)

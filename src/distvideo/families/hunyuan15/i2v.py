@@ -40,7 +40,7 @@ class HunyuanVideo15I2VPipeline(HunyuanVideo15T2VPipeline):
         from PIL import Image
 
         req = batch.request
-        assert batch.latents is not None and req.height is not None and req.width is not None
+        assert batch.latents is not None
         image = self.video_processor.resize(
             Image.fromarray(req.image), height=req.height, width=req.width, resize_mode="crop"
         )

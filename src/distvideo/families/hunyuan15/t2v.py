@@ -21,7 +21,7 @@ from distvideo.parallel.context import ParallelDeclarations
 from distvideo.parallel.ulysses import SequencePoints
 from distvideo.pipelines.base import Batch, DenoisingPipeline, Stage
 from distvideo.pipelines.control import StepControl
-from distvideo.request import GenerationRequest, is_guided
+from distvideo.request import ResolvedRequest, is_guided
 
 # HunyuanVideo15Pipeline's constants (its __init__): the chat template's system prompt is cropped off (108 tokens),
 # then 1000 text tokens; 256 ByT5 tokens; 729 image tokens (SigLIP's), zero in text-to-video.
@@ -70,7 +70,7 @@ class HunyuanVideo15T2VPipeline(DenoisingPipeline):
         self.text_encoder_2 = components["text_encoder_2"].eval()
         return {"text_encoder": self.text_encoder, "text_encoder_2": self.text_encoder_2}
 
-    def new_batch(self, request: GenerationRequest) -> HunyuanBatch:
+    def new_batch(self, request: ResolvedRequest) -> HunyuanBatch:
         return HunyuanBatch(request=request, do_cfg=is_guided(request))
 
     def stages(self, control: StepControl | None) -> list[Stage]:
@@ -84,7 +84,7 @@ class HunyuanVideo15T2VPipeline(DenoisingPipeline):
             ("frames", self.to_frames),
         ]
 
-    def encode_prompt(self, text: str, request: GenerationRequest) -> HunyuanText:
+    def encode_prompt(self, text: str, request: ResolvedRequest) -> HunyuanText:
         mllm, byt5 = compat.hunyuan15_text_encoders()
         embeds, mask = mllm(
             self.text_encoder,
@@ -124,7 +124,6 @@ class HunyuanVideo15T2VPipeline(DenoisingPipeline):
                 return_dict=False,
             )[0]
 
-        assert batch.request.guidance_scale is not None
         return self.guided(noise, batch, batch.request.guidance_scale)
 
     def unscale_latents(self, latents: torch.Tensor) -> torch.Tensor:

@@ -43,9 +43,9 @@ class ExpertSwitch(WanT2VPipeline):
     def denoiser_at(self, t: torch.Tensor, batch: Batch) -> tuple[nn.Module, float]:
         """The expert for step `t` (made the one on the device) and its guidance scale."""
         req = batch.request
-        assert req.boundary_ratio is not None and req.guidance_scale is not None and req.guidance_scale_2 is not None
-        boundary = boundary_timestep(req.boundary_ratio, batch.scheduler.config.num_train_timesteps)
-        step = expert_for_step(t, boundary, req.guidance_scale, req.guidance_scale_2)
+        ratio, guidance_scale_2 = req.second_expert
+        boundary = boundary_timestep(ratio, batch.scheduler.config.num_train_timesteps)
+        step = expert_for_step(t, boundary, req.guidance_scale, guidance_scale_2)
         if step.name != self.residency.active:
             self.residency.activate(step.name)
             batch.timings["expert_swap"] = batch.timings.get("expert_swap", 0.0) + self.residency.last_swap_s

@@ -12,7 +12,7 @@ from distvideo.models.flops import matmul_flops
 
 if TYPE_CHECKING:
     from distvideo.models.registry import ModelInfo
-    from distvideo.request import GenerationRequest
+    from distvideo.request import ResolvedRequest
 
 __all__ = ["WAN_TRANSFORMER_DEFAULTS", "transformer_flops", "wan_transformer_flops", "wan_transformer_flops_breakdown"]
 
@@ -114,7 +114,7 @@ def wan_transformer_flops(config: Mapping[str, Any], latent_shape: Sequence[int]
     return sum(wan_transformer_flops_breakdown(config, latent_shape, text_len, **kwargs).values())
 
 
-def transformer_flops(info: ModelInfo, request: GenerationRequest, input_shape: Sequence[int]) -> dict[str, int]:
+def transformer_flops(info: ModelInfo, request: ResolvedRequest, input_shape: Sequence[int]) -> dict[str, int]:
     """The breakdown for a resolved request of a Wan checkpoint: its text length, its CLIP tokens (Wan2.1 I2V), its
     per-token timesteps (Wan2.2 TI2V-5B)."""
     return wan_transformer_flops_breakdown(

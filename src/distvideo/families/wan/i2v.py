@@ -26,7 +26,7 @@ from distvideo.pipelines.conditioning import (
     vae_image,
 )
 from distvideo.pipelines.control import StepControl
-from distvideo.request import GenerationRequest, is_guided
+from distvideo.request import ResolvedRequest, is_guided
 
 
 @dataclass
@@ -45,8 +45,7 @@ class WanI2VPipeline(WanT2VPipeline):
         super().__init__(components, device, *args, **kwargs)
         self.image_processor = components.get("image_processor")
 
-    def new_batch(self, request: GenerationRequest) -> ImageBatch:
-        assert request.image is not None  # resolved: the family requires one
+    def new_batch(self, request: ResolvedRequest) -> ImageBatch:
         return ImageBatch(request=request, do_cfg=is_guided(request), image=pil_image(request.image))
 
     def stages(self, control: StepControl | None) -> list[Stage]:
@@ -80,7 +79,6 @@ class WanI2VPipeline(WanT2VPipeline):
 
     def first_frame_condition(self, batch: ImageBatch) -> torch.Tensor:
         req = batch.request
-        assert req.num_frames is not None and req.height is not None and req.width is not None
         image = vae_image(batch.image, req.height, req.width, self.model.vae_scale_spatial).to(self.device)
         with self.offload.on_device("vae"):  # on the rank that computes it
             latents = condition_latents(

@@ -18,7 +18,7 @@ from distvideo.parallel.context import ParallelDeclarations
 from distvideo.parallel.ulysses import SequencePoints
 from distvideo.pipelines.base import Batch, DenoisingPipeline, Stage
 from distvideo.pipelines.control import StepControl
-from distvideo.request import GenerationRequest
+from distvideo.request import ResolvedRequest
 
 
 class WanT2VPipeline(DenoisingPipeline):
@@ -42,7 +42,7 @@ class WanT2VPipeline(DenoisingPipeline):
         self.text_encoder = components["text_encoder"].eval()
         return {"text_encoder": self.text_encoder}
 
-    def encode_prompt(self, text: str, request: GenerationRequest) -> torch.Tensor:
+    def encode_prompt(self, text: str, request: ResolvedRequest) -> torch.Tensor:
         inputs = self.tokenizer(
             [prompt_clean(text)],
             padding="max_length",
@@ -68,7 +68,6 @@ class WanT2VPipeline(DenoisingPipeline):
 
     def denoiser_at(self, t: torch.Tensor, batch: Batch) -> tuple[nn.Module, float]:
         """The transformer for step `t` and its guidance scale (one transformer here; Wan2.2 A14B switches)."""
-        assert batch.request.guidance_scale is not None
         return self.transformer, batch.request.guidance_scale
 
     def predict_noise(self, latents: torch.Tensor, t: torch.Tensor, batch: Batch) -> torch.Tensor:

@@ -19,7 +19,7 @@ from distvideo.families.wan.t2v import WanT2VPipeline
 from distvideo.pipelines.base import Batch, Stage
 from distvideo.pipelines.conditioning import condition_latents, pil_image, vae_image
 from distvideo.pipelines.control import StepControl
-from distvideo.request import GenerationRequest, is_guided
+from distvideo.request import ResolvedRequest, is_guided
 
 
 @dataclass
@@ -33,7 +33,7 @@ class TokenTimestepBatch(Batch):
 class Wan22TI2VPipeline(WanT2VPipeline):
     """Wan2.2 TI2V-5B: text-to-video, or image-to-video when the request has an image."""
 
-    def new_batch(self, request: GenerationRequest) -> TokenTimestepBatch:
+    def new_batch(self, request: ResolvedRequest) -> TokenTimestepBatch:
         return TokenTimestepBatch(request=request, do_cfg=is_guided(request))
 
     def stages(self, control: StepControl | None) -> list[Stage]:
@@ -62,9 +62,8 @@ class Wan22TI2VPipeline(WanT2VPipeline):
         mask[:, :, 0] = 0
         batch.mask = mask
 
-    def image_latents(self, req: GenerationRequest) -> torch.Tensor:
+    def image_latents(self, req: ResolvedRequest) -> torch.Tensor:
         """(1, C, 1, h, w): the given first frame through the Wan2.2 VAE, normalised."""
-        assert req.height is not None and req.width is not None
         image = vae_image(pil_image(req.image), req.height, req.width, self.model.vae_scale_spatial).to(self.device)
         with self.offload.on_device("vae"):  # on the rank that computes it
             return condition_latents(self.vae, image.unsqueeze(2), self._latents_mean, self._latents_std)
@@ -84,7 +83,6 @@ class Wan22TI2VPipeline(WanT2VPipeline):
                 hidden_states=model_input, timestep=timestep, encoder_hidden_states=embeds, return_dict=False
             )[0]
 
-        assert batch.request.guidance_scale is not None
         return self.guided(noise, batch, batch.request.guidance_scale)
 
     def restore_first_frame(self, batch: TokenTimestepBatch) -> None:

@@ -28,7 +28,7 @@ from distvideo.pipelines.caching.hooks import HOOK_NAME, CacheSlot, StepCachePla
 from distvideo.pipelines.caching.mag import MagCache
 from distvideo.pipelines.caching.session import CacheMethod, CacheSession, CacheSettings
 from distvideo.pipelines.caching.taylorseer import TaylorSeerCache
-from distvideo.request import GenerationRequest
+from distvideo.request import ResolvedRequest
 
 #: the methods, by the request's ``cache`` value
 METHODS: dict[str, type[CacheMethod]] = {
@@ -36,7 +36,7 @@ METHODS: dict[str, type[CacheMethod]] = {
 }
 
 
-def new_session(request: GenerationRequest, ratios: list[float], parallel: Any, do_cfg: bool) -> CacheSession:
+def new_session(request: ResolvedRequest, ratios: list[float], parallel: Any, do_cfg: bool) -> CacheSession:
     """The session of a resolved, cached request, deciding with this rank's sp group and CFG pair when `parallel` (a
     ParallelContext) has them."""
     settings = CacheSettings(
@@ -44,7 +44,7 @@ def new_session(request: GenerationRequest, ratios: list[float], parallel: Any, 
         warmup_steps=int(request.cache_warmup_steps or 0),
         max_skip=int(request.cache_max_skip or 0),
     )
-    method = METHODS[str(request.cache)](settings, ratios)
+    method = METHODS[request.cache](settings, ratios)
     return CacheSession(method, shared_decision(parallel, do_cfg))
 
 
@@ -69,7 +69,7 @@ def step_cache(pipeline: Any, batch: Any) -> Iterator[CacheSession | None]:
     """The request's session in the transformers' slot for the denoising loop (None with the cache off); the report
     lands in ``batch.cache`` even when the loop stops early."""
     request = batch.request
-    if request.cache in (None, "none"):
+    if request.cache == "none":
         yield None
         return
     slot = cache_slot(pipeline)
