@@ -158,8 +158,8 @@ def run_paired(args: argparse.Namespace) -> dict[str, Any] | None:
     from diffusers import AutoencoderKLWan, ContextParallelConfig, WanTransformer3DModel
 
     from distvideo.families.wan.t2v import WanT2VPipeline
+    from distvideo.families.wan.text_padding import TextPaddingPlan, TextProjectionMemo
     from distvideo.models.cpu_kernels import use_cpu_kernels
-    from distvideo.models.text_padding import TextPaddingPlan, TextProjectionMemo
     from distvideo.parallel.ulysses import UlyssesPlan
     from distvideo.parallel.vae import BandedVaeDecoder
 

@@ -45,8 +45,8 @@ def main() -> None:
 
     from diffusers import AutoencoderKLWan, WanTransformer3DModel
 
+    from distvideo.families.wan.text_padding import TextPaddingPlan
     from distvideo.models.cpu_kernels import use_cpu_kernels
-    from distvideo.models.text_padding import TextPaddingPlan
     from distvideo.testing.checkpoints import build_benchmark_checkpoint
 
     torch.set_num_threads(1)

@@ -133,7 +133,7 @@ def segment_sigmas() -> torch.Tensor:
 def train(work: Path, steps: int, minutes: float, batch: int, lr: float, device: torch.device) -> None:
     from diffusers import WanTransformer3DModel
 
-    from distvideo.models.text_padding import TextPaddingPlan
+    from distvideo.families.wan.text_padding import TextPaddingPlan
 
     out = work / "student"
     if (out / "config.json").is_file():

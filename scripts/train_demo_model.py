@@ -352,7 +352,7 @@ def train_transformer(work: Path, steps: int, batch: int, lr: float, minutes: fl
     stage ends when either runs out. The text encoder trains with the transformer (same optimiser and EMA)."""
     from diffusers import WanTransformer3DModel
 
-    from distvideo.models.text_padding import TextPaddingPlan
+    from distvideo.families.wan.text_padding import TextPaddingPlan
 
     out = work / "transformer"
     if (out / "config.json").is_file():

@@ -28,6 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
         "slurm",
         "launch",
         "outputs",
+        "rpc",
         "paths",
         "images",
         "config",

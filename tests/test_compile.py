@@ -13,7 +13,8 @@ import pytest
 from distvideo import VideoGenerator
 from distvideo.cli.main import main
 from distvideo.config import EngineConfig
-from distvideo.families.wan import WAN22_T2V_A14B
+from distvideo.families.hunyuan15 import HUNYUAN15_T2V
+from distvideo.families.wan import WAN22_T2V_A14B, WAN_I2V, WAN_T2V
 from distvideo.models import compat
 from distvideo.models.plans import CompilePlan, CpuKernelsPlan, speed_plans
 from distvideo.worker import separate_compile_time
@@ -21,6 +22,7 @@ from distvideo.worker import separate_compile_time
 from background import FolderJob, in_a_process
 from conftest import max_abs_diff
 
+WAN = SimpleNamespace(family=WAN_T2V)
 REQUEST = {"num_frames": 5, "height": 32, "width": 32, "num_inference_steps": 2, "seed": 3, "save_video": False}
 
 
@@ -30,25 +32,28 @@ def test_compile_plans_come_last_for_every_transformer():
     assert [type(p) for p in plans[-2:]] == [CompilePlan, CompilePlan]
     assert [p.component for p in plans[-2:]] == ["transformer", "transformer_2"]
     assert isinstance(plans[0], CpuKernelsPlan)
-    assert not any(isinstance(p, CompilePlan) for p in speed_plans(EngineConfig(compile=False).with_defaults()))
+    assert not any(isinstance(p, CompilePlan) for p in speed_plans(EngineConfig(compile=False).with_defaults(), WAN))
 
 
 def test_compile_leaves_compact_text_padding_out():
     # the compacted text's length follows each prompt's token count: every new length would compile the blocks again
-    from distvideo.models.text_padding import TextPaddingPlan
+    from distvideo.families.wan.text_padding import TextPaddingPlan
 
     config = EngineConfig(compile=True, compact_text_padding=True, cpu_kernels=False).with_defaults()
-    assert [type(p) for p in speed_plans(config)] == [CompilePlan]
+    assert [type(p) for p in speed_plans(config, WAN)] == [CompilePlan]
     config = EngineConfig(compile=False, compact_text_padding=True, cpu_kernels=False).with_defaults()
-    assert [type(p) for p in speed_plans(config)] == [TextPaddingPlan]
+    assert [type(p) for p in speed_plans(config, WAN)] == [TextPaddingPlan]
+    # a family that declares no compact-text plan (with the reason it logs) gets none
+    for family in (WAN_I2V, HUNYUAN15_T2V):
+        assert speed_plans(config, SimpleNamespace(family=family)) == [], family.name
 
 
 def test_compile_is_left_out_under_sequence_parallelism():
     # Ulysses' per-block hooks made the compiled blocks recompile until torch's limit of 8 graphs (measured)
-    from distvideo.models.text_padding import TextPaddingPlan
+    from distvideo.families.wan.text_padding import TextPaddingPlan
 
     config = EngineConfig(compile=True, compact_text_padding=True, cpu_kernels=False).with_defaults()
-    assert [type(p) for p in speed_plans(config, sp_size=2)] == [TextPaddingPlan]
+    assert [type(p) for p in speed_plans(config, WAN, sp_size=2)] == [TextPaddingPlan]
 
 
 def test_compile_defaults_to_the_environment(monkeypatch):

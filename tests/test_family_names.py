@@ -18,12 +18,7 @@ FAMILY_NAME = re.compile(r"Wan(?![a-z])|(?<![A-Za-z])wan(?![a-z])|WAN|[Hh]unyuan
 STILL_NAMING = {
     "models/compat.py": "the one module of private library names, by rule: diffusers' Wan and HunyuanVideo internals",
     "models/embedded.py": "the shipped demo models' names (demo-wan, tiny-wan)",
-    "models/registry.py": "a message's example: the hub id of a checkpoint to download when --model is no checkpoint",
-    "models/cpu_kernels.py": "the CPU kernel of Wan's RMS norm: to move into families/wan/ with its speed plan",
-    "models/text_padding.py": "the compact-text plans of Wan's text-only cross-attention: to move into families/wan/",
     "lora/formats.py": "Wan's original and musubi-tuner LoRA key names: to move into families/wan/",
-    "lora/control.py": "a message naming Wan2.2 A14B's low-noise expert as what transformer_2 is",
-    "lora/rank.py": "a message naming the two-expert Wan models as what transformer_2 is",
 }
 
 

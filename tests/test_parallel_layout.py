@@ -238,7 +238,7 @@ def test_generator_refuses_impossible_layouts_before_loading(tiny_model, kwargs,
 def test_input_memo_reuses_only_the_same_unchanged_tensor():
     from collections import Counter
 
-    from distvideo.models.text_padding import InputMemo
+    from distvideo.families.wan.text_padding import InputMemo
 
     layer = torch.nn.Linear(4, 3)
     counts: Counter[str] = Counter()

@@ -12,6 +12,7 @@ from torch import nn
 
 from distvideo import VideoGenerator
 from distvideo.families.wan.t2v import WanT2VPipeline
+from distvideo.families.wan.text_padding import TextPaddingPlan, TextProjectionMemo
 from distvideo.models.plans import (
     CpuKernelsPlan,
     PlanRegistry,
@@ -21,7 +22,6 @@ from distvideo.models.plans import (
     get_plan,
     remove_plan,
 )
-from distvideo.models.text_padding import TextPaddingPlan, TextProjectionMemo
 from distvideo.parallel.ulysses import UlyssesPlan
 
 

@@ -1,4 +1,4 @@
-"""The text-padding compaction of cross-attention (models/text_padding.py): exact against diffusers' own forward."""
+"""The text-padding compaction of cross-attention (families/wan/text_padding.py): exact against diffusers' own forward."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from distvideo import VideoGenerator
-from distvideo.models.text_padding import TextPaddingPlan, trailing_run
+from distvideo.families.wan.text_padding import TextPaddingPlan, trailing_run
 
 from conftest import max_abs_diff
 

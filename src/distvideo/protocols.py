@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
+
+from distvideo.rpc import CollectiveRpc
 
 if TYPE_CHECKING:  # types only: nothing here runs an import of the generator or the executors
     from distvideo.config import EngineConfig
@@ -26,7 +28,7 @@ class EngineHandle(Protocol):
     def executor(self) -> Executor: ...
 
 
-class GeneratorHandle(EngineHandle, Protocol):
+class GeneratorHandle(EngineHandle, CollectiveRpc, Protocol):
     """The service's and the benchmark's view of a generator: requests, cancellation, calls on every rank, LoRA."""
 
     @property
@@ -43,15 +45,6 @@ class GeneratorHandle(EngineHandle, Protocol):
     ) -> GenerationResult: ...
 
     def cancel(self) -> None: ...
-
-    def collective_rpc(
-        self,
-        method: str | Callable[..., Any],
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-        timeout: float | None = None,
-        unique_reply_rank: int | None = None,
-    ) -> Any: ...
 
     def check_health(self) -> None: ...
 

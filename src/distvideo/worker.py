@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import importlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ from distvideo.engine import ResolvedEngine
 from distvideo.errors import ConfigError, GenerationCancelled
 from distvideo.launch import LaunchEnv
 from distvideo.models import compat
-from distvideo.models.family import ModelFamily
+from distvideo.models.family import ModelFamily, declared
 from distvideo.models.loading import load_components
 from distvideo.models.memory import USABLE_FRACTION, estimate_request, fitting_size
 from distvideo.models.plans import AppliedPlans, apply_plans, speed_plans
@@ -98,8 +97,7 @@ def rendezvous_store(init_method: str, rank: int, world_size: int, timeout: time
 
 def pipeline_class(family: ModelFamily) -> type[DenoisingPipeline]:
     """The pipeline class a family names ("module:Class", in its own package under distvideo/families/)."""
-    module, _, name = family.pipeline.partition(":")
-    cls = getattr(importlib.import_module(module), name)
+    cls = declared(family.pipeline)
     if not (isinstance(cls, type) and issubclass(cls, DenoisingPipeline)):
         raise TypeError(f"{family.name}: {family.pipeline} is not a pipelines.base.DenoisingPipeline")
     return cls

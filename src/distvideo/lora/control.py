@@ -44,7 +44,7 @@ def check_target(nickname: Any, target: Any) -> None:
     if target not in on_rank.TARGETS:
         raise LoraError(
             f"set_lora_adapter({nickname!r}): target must be one of {', '.join(on_rank.TARGETS)} (transformer_2: "
-            f"Wan2.2 A14B's low-noise expert), got {target!r}"
+            f"the low-noise expert of a two-expert model), got {target!r}"
         )
 
 

@@ -2,27 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, Protocol
 
 from distvideo.lora.layers import LoraState
+from distvideo.rpc import CollectiveRpc
 
 
-class LoraExecutor(Protocol):
+class LoraExecutor(CollectiveRpc, Protocol):
     """The executor as the caller's side of a LoRA transaction sees it (distvideo.executors.Executor)."""
 
     world_size: int
 
     @property
     def is_output_rank(self) -> bool: ...
-
-    def collective_rpc(
-        self,
-        method: str | Callable[..., Any],
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-        timeout: float | None = None,
-    ) -> list[Any]: ...
 
     def ensure_consistent(self, what: str, fields: dict[str, Any]) -> None: ...
 

@@ -45,7 +45,7 @@ def lora_state(worker: LoraWorker, target: str = "transformer") -> LoraState:
     if target not in states:
         raise LoraError(
             f"LoRA target {target!r}: this model has no {target} (its transformers: {', '.join(states)}); "
-            "transformer_2 is the low-noise expert of the two-expert Wan2.2 A14B models"
+            "transformer_2 is the second (low-noise) expert of a two-expert model"
         )
     return states[target]
 

@@ -180,7 +180,8 @@ def causal_conv_padding(conv: Any) -> tuple[int, int, int, int, int, int]:
     return w1, w2, h1, h2, t1, t2
 
 
-def is_wan_rms_norm(module: nn.Module) -> bool:
+def is_channel_rms_norm(module: nn.Module) -> bool:
+    """Whether `module` is diffusers' channel RMS norm that cpu_kernels speeds up: WanRMS_norm (the Wan VAE's)."""
     return type(module).__name__ == "WanRMS_norm"
 
 

@@ -94,7 +94,7 @@ def _fast_rms_norm(norm: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
 
 def use_fast_rms_norms(module: nn.Module) -> Callable[[], None]:
     """Patch every diffusers ``WanRMS_norm`` under `module` (see the module docstring); returns the undo."""
-    patched = [m for m in module.modules() if compat.is_wan_rms_norm(m) and "forward" not in vars(m)]
+    patched = [m for m in module.modules() if compat.is_channel_rms_norm(m) and "forward" not in vars(m)]
     for norm in patched:
         norm.forward = _fast_rms_norm(norm)  # type: ignore[method-assign]
 

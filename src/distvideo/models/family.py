@@ -4,6 +4,7 @@ and register here (`register_family`); models/registry.py matches checkpoints ag
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,11 +55,16 @@ class ModelFamily:
     components: tuple[str, ...]
     defaults: dict[str, Any]
     description: str
+    #: a hub id of one of its checkpoints, for messages that say how to get one ("" for none)
+    example_checkpoint: str = ""
     image: str = IMAGE_NONE  # whether a request takes an image: "none" | "optional" | "required"
     experts: int = 1
     expand_timesteps: bool = False
     image_encoder: bool = False
-    compact_text: bool = True  # whether the text-padding plan (Wan's text-only cross-attention) applies
+    #: "module:Class" of the exact plan that compacts its text padding (built per transformer as
+    #: ``Class(component=name)``, models/plans.py); None: it has none, and `compact_text_off` says why
+    compact_text: str | None = None
+    compact_text_off: str = "it declares no compact-text plan"
     #: (image rows, image columns, transformer config) -> (height, width) of a request that sets neither; None: the
     #: family's default size
     size_for_image: Callable[[int, int, dict[str, Any]], tuple[int, int]] | None = None
@@ -110,3 +116,9 @@ def register_family(*families: ModelFamily) -> None:
 
 def registered_families() -> tuple[ModelFamily, ...]:
     return tuple(_FAMILIES)
+
+
+def declared(path: str) -> Any:
+    """What a family declaration names as "module:Name" (its pipeline class, its plans), imported."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)

@@ -22,6 +22,7 @@ from torch import nn
 
 from distvideo.config import EngineConfig
 from distvideo.models import compat
+from distvideo.models.family import declared
 from distvideo.models.registry import ModelInfo
 
 logger = logging.getLogger(__name__)
@@ -81,29 +82,21 @@ class CompilePlan:
         return undo
 
 
-def speed_plans(config: EngineConfig, model: ModelInfo | None = None, *, sp_size: int = 1) -> list[ModulePlan]:
+def speed_plans(config: EngineConfig, model: ModelInfo, *, sp_size: int = 1) -> list[ModulePlan]:
     """The exact speed plans the config turns on (its switches resolved: EngineConfig.with_defaults), for every
-    denoising transformer of the model's family (Wan2.1 T2V's one when `model` is None). A plan not shown exact for
-    a family is left out of its list, with the reason logged once; so is `--compile` under sequence parallelism
-    (`sp_size` > 1), which it does not yet serve."""
-    from distvideo.models.text_padding import TextPaddingPlan
-
-    transformers = model.family.transformers if model is not None else ("transformer",)
+    denoising transformer of the model's family: the family's compact-text plan where it declares one, the CPU
+    kernels, compile. A plan not shown exact for a family is left out of its list, with the reason logged once; so
+    is `--compile` under sequence parallelism (`sp_size` > 1), which it does not yet serve."""
+    family = model.family
+    transformers = family.transformers
     plans: list[ModulePlan] = []
+    text_plan = None
     if config.compact_text_padding:
-        if model is not None and not model.family.compact_text:
-            _log_once(
-                f"compact text padding is off for {model.family.name}: its text joins the video tokens in one joint "
-                "attention under a mask, not the text-only cross-attention the plan compacts"
-            )
-        elif model is not None and model.family.image_encoder:
-            _log_once(
-                f"compact text padding is off for {model.family.name}: its cross-attention attends to CLIP image "
-                "tokens in front of the text, which the plan's processor does not handle (it compacts text-only "
-                "cross-attention)"
-            )
+        if family.compact_text is None:
+            _log_once(f"compact text padding is off for {family.name}: {family.compact_text_off}")
         else:
-            plans += [TextPaddingPlan(component=name) for name in transformers]
+            text_plan = declared(family.compact_text)
+            plans += [text_plan(component=name) for name in transformers]
     if config.cpu_kernels:
         plans += [CpuKernelsPlan("vae"), *(CpuKernelsPlan(name) for name in transformers)]
     compiling = compiles_blocks(config, sp_size)
@@ -113,13 +106,13 @@ def speed_plans(config: EngineConfig, model: ModelInfo | None = None, *, sp_size
             "compiled blocks recompile until torch's limit of 8 graphs and then run eagerly"
         )
     if compiling:  # last: after every plan that replaces attention processors or module methods
-        if any(isinstance(plan, TextPaddingPlan) for plan in plans):
+        if text_plan is not None:
             _log_once(
                 "compact text padding is off with --compile: the compacted text follows each prompt's token count, "
                 "so the compiled blocks would compile again for each new prompt length (torch keeps 8 graphs, then "
                 "runs them eagerly); with the full padded text there is one graph per video shape"
             )
-            plans = [plan for plan in plans if not isinstance(plan, TextPaddingPlan)]
+            plans = [plan for plan in plans if not isinstance(plan, text_plan)]
         plans += [CompilePlan(name) for name in transformers]
     return plans
 

@@ -205,9 +205,10 @@ def probe_model(path: str | Path) -> ModelInfo:
     if not root.is_dir():
         raise ConfigError(f"--model {path}: not a folder; pass a diffusers-format checkpoint folder")
     if not (root / "model_index.json").is_file():
+        example = next((f.example_checkpoint for f in registered_families() if f.example_checkpoint), "<repo id>")
         raise ConfigError(
             f"--model {path}: not a diffusers checkpoint (no model_index.json); download one with e.g. "
-            "`hf download Wan-AI/Wan2.1-T2V-1.3B-Diffusers --local-dir <folder>`"
+            f"`hf download {example} --local-dir <folder>`"
         )
     index = read_checkpoint_json(root / "model_index.json", "file")
     class_name = index.get("_class_name")

@@ -14,7 +14,6 @@ from typing import Any
 import torch
 
 from distvideo.models.plans import ModulePlan
-from distvideo.models.text_padding import TextProjectionMemo
 from distvideo.parallel.cfg import cfg_parallel_noise, texts_for_branch
 from distvideo.parallel.collectives import broadcast_tensors
 from distvideo.parallel.groups import ParallelGroups
@@ -29,12 +28,14 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ParallelDeclarations:
     """What a family declares for the parallel plans (its pipeline class's `parallel_points`): where Ulysses hooks its
-    transformer (None: sequence parallelism refused when the plan applies) and how its VAE is banded (None: decoded
-    whole on the replica's first rank)."""
+    transformer (None: sequence parallelism refused when the plan applies), how its VAE is banded (None: decoded
+    whole on the replica's first rank), and the plan that projects the text side of its cross-attention once per
+    request under sequence parallelism (`text_memo(counts, component=name)`; None: its text changes in every block)."""
 
     sequence: SequencePoints | None = None
     vae_bands: VaeBands | None = None
     banded_vae: str | None = None  # the VAE class `vae_bands` is proven exact for (another decodes on one rank)
+    text_memo: Callable[..., ModulePlan] | None = None
 
 
 class ParallelContext:
@@ -66,8 +67,8 @@ class ParallelContext:
 
     def plans(self, transformers: Sequence[str], declared: ParallelDeclarations) -> list[ModulePlan]:
         """Ulysses on every denoising transformer at the family's declared points (sp > 1; a second expert gets its
-        own plan, counting into the first's counters) with the text-projection memo (SP does not split the text side
-        of cross-attention: project it once per request, not once per step), and the banded decode on the VAE as the
+        own plan, counting into the first's counters) with the family's text-projection memo (SP does not split the text
+        side of cross-attention: project it once per request, not once per step), and the banded decode on the VAE as the
         family declares it."""
         plans: list[ModulePlan] = []
         if self.ulysses is not None:
@@ -76,7 +77,9 @@ class ParallelContext:
                 if name != ulysses.component:
                     ulysses = self._sequence_plan(name, self.ulysses)
                 ulysses.points = declared.sequence
-                plans += [ulysses, TextProjectionMemo(self.counts, component=name)]
+                plans.append(ulysses)
+                if declared.text_memo is not None:
+                    plans.append(declared.text_memo(self.counts, component=name))
         self.vae_decoder.bands, self.vae_decoder.banded_vae = declared.vae_bands, declared.banded_vae
         plans.append(self.vae_decoder)
         return plans

@@ -88,12 +88,16 @@ def _size_for_image(rows: int, cols: int, transformer: dict[str, Any]) -> tuple[
 _TEXT_TOKENS = sum(HUNYUAN15_TOKENS.values())
 HUNYUAN15_T2V = ModelFamily(
     name="HunyuanVideo 1.5 T2V",
+    example_checkpoint="hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v",
     class_names=("HunyuanVideo15Pipeline",),
     pipeline="distvideo.families.hunyuan15.t2v:HunyuanVideo15T2VPipeline",
     components=_COMPONENTS,
     defaults=_DEFAULTS,
     description="HunyuanVideo 1.5 text-to-video (Qwen2.5-VL and ByT5 text, dual-stream transformer, 16x VAE)",
-    compact_text=False,
+    compact_text_off=(
+        "its text joins the video tokens in one joint attention under a mask, not the text-only cross-attention the "
+        "plan compacts"
+    ),
     full_precision=_FULL_PRECISION,
     cache_points=_CACHE_POINTS,
     checkpoint_defaults=_checkpoint_defaults,
@@ -112,6 +116,7 @@ HUNYUAN15_T2V = ModelFamily(
 HUNYUAN15_I2V = dataclasses.replace(
     HUNYUAN15_T2V,
     name="HunyuanVideo 1.5 I2V",
+    example_checkpoint="hunyuanvideo-community/HunyuanVideo-1.5-480p_i2v",
     class_names=("HunyuanVideo15ImageToVideoPipeline",),
     pipeline="distvideo.families.hunyuan15.i2v:HunyuanVideo15I2VPipeline",
     components=(*_COMPONENTS, "image_encoder", "feature_extractor"),

@@ -37,6 +37,8 @@ WAN_T2V = ModelFamily(
         "fps": 16,
     },
     description="Wan2.1 text-to-video (WanTransformer3DModel, AutoencoderKLWan, UMT5)",
+    example_checkpoint="Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
+    compact_text="distvideo.families.wan.text_padding:TextPaddingPlan",
     transformer_flops=transformer_flops,
     libraries=_LIBRARIES,
 )
@@ -55,17 +57,24 @@ def _one_image(root: Path, index: dict[str, Any], transformer: dict[str, Any]) -
 WAN_I2V = dataclasses.replace(
     WAN_T2V,
     name="Wan2.1 I2V",
+    example_checkpoint="Wan-AI/Wan2.1-I2V-14B-480P-Diffusers",
     class_names=("WanImageToVideoPipeline",),
     pipeline="distvideo.families.wan.i2v:WanI2VPipeline",
     components=("transformer", *_T5, "image_encoder", "image_processor"),
     description="Wan2.1 image-to-video: CLIP image tokens in cross-attention, first-frame latents with a mask",
     image=IMAGE_REQUIRED,
     image_encoder=True,
+    compact_text=None,
+    compact_text_off=(
+        "its cross-attention attends to CLIP image tokens in front of the text, which the plan's processor does not "
+        "handle (it compacts text-only cross-attention)"
+    ),
     checkpoint_defaults=_one_image,
 )
 WAN22_T2V_A14B = dataclasses.replace(
     WAN_T2V,
     name="Wan2.2 T2V-A14B",
+    example_checkpoint="Wan-AI/Wan2.2-T2V-A14B-Diffusers",
     pipeline="distvideo.families.wan.a14b:Wan22T2VA14BPipeline",
     components=("transformer", "transformer_2", *_T5),
     defaults={
@@ -84,6 +93,7 @@ WAN22_T2V_A14B = dataclasses.replace(
 WAN22_I2V_A14B = dataclasses.replace(
     WAN22_T2V_A14B,
     name="Wan2.2 I2V-A14B",
+    example_checkpoint="Wan-AI/Wan2.2-I2V-A14B-Diffusers",
     class_names=("WanImageToVideoPipeline",),
     pipeline="distvideo.families.wan.a14b:Wan22I2VA14BPipeline",
     defaults={**WAN22_T2V_A14B.defaults, "guidance_scale": 3.5, "guidance_scale_2": 3.5, "boundary_ratio": 0.9},
@@ -93,6 +103,7 @@ WAN22_I2V_A14B = dataclasses.replace(
 WAN22_TI2V_5B = dataclasses.replace(
     WAN_T2V,
     name="Wan2.2 TI2V-5B",
+    example_checkpoint="Wan-AI/Wan2.2-TI2V-5B-Diffusers",
     class_names=("WanPipeline", "WanImageToVideoPipeline"),
     pipeline="distvideo.families.wan.ti2v:Wan22TI2VPipeline",
     defaults={

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from distvideo.families.wan.attention import UlyssesAttnProcessor
+from distvideo.families.wan.text_padding import TextProjectionMemo
 from distvideo.families.wan.vae import apply_wan_bands
 from distvideo.models.compat import prompt_clean
 from distvideo.parallel.context import ParallelDeclarations
@@ -27,7 +28,10 @@ class WanT2VPipeline(DenoisingPipeline):
     # Ulysses on the blocks' self-attention `attn1` (cross-attention stays local; rotary tables' sequence dim 1, ring
     # attention served); the Wan VAE's bands (Wan2.1's and Wan2.2's)
     parallel_points = ParallelDeclarations(
-        SequencePoints("blocks", "attn1", UlyssesAttnProcessor, 1, True), apply_wan_bands, "AutoencoderKLWan"
+        SequencePoints("blocks", "attn1", UlyssesAttnProcessor, 1, True),
+        apply_wan_bands,
+        "AutoencoderKLWan",
+        text_memo=TextProjectionMemo,
     )
 
     def __init__(self, components: dict[str, Any], device: torch.device, *args: Any, **kwargs: Any):
