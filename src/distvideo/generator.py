@@ -23,6 +23,7 @@ from distvideo.models.registry import ModelInfo
 from distvideo.outputs import GenerationResult, run_summary
 from distvideo.paths import resolve_output_path
 from distvideo.request import GenerationRequest, ResolvedRequest
+from distvideo.rpc import RpcCall
 
 logger = logging.getLogger(__name__)
 
@@ -290,20 +291,12 @@ class VideoGenerator:
         )
 
     # -- control plane ---------------------------------------------------------------------------
-    def collective_rpc(
-        self,
-        method: str | Callable[..., Any],
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-        timeout: float | None = None,
-        unique_reply_rank: int | None = None,
-    ) -> Any:
-        """Run `method` (a worker method's name, or a callable `fn(worker, *args, **kwargs)`) on every rank; every
-        rank's result in rank order, or with `unique_reply_rank=r` rank r's result alone (under a launcher: this
-        process's own rank's)."""
-        return self.executor.collective_rpc(
-            method, args=args, kwargs=kwargs, timeout=timeout, unique_reply_rank=unique_reply_rank
-        )
+    @property
+    def collective_rpc(self) -> RpcCall:
+        """`collective_rpc(method, args=(), kwargs=None, timeout=None, unique_reply_rank=None)`: run `method` (a worker
+        method's name, or a callable `fn(worker, *args, **kwargs)`) on every rank; every rank's result in rank order,
+        or with `unique_reply_rank=r` rank r's result alone (under a launcher: this process's own rank's)."""
+        return self.executor.collective_rpc
 
     def check_health(self) -> None:
         """Raise if the ranks can no longer run requests (mp: a worker died, also while idle), without a call."""

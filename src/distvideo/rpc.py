@@ -1,7 +1,7 @@
-"""`collective_rpc`, the one call every rank runs, as a structural type: its signature, written once. The executors
-implement it (executors/base.py, with their call options on top), the generator passes it on, and what calls it
-from above or below the executors (the service and the benchmark through `protocols.GeneratorHandle`, the LoRA
-transactions through `lora.protocols.LoraExecutor`) asks for this Protocol."""
+"""`collective_rpc`, the one call every rank runs, as structural types: its signature, written once here (`RpcCall`)
+and implemented once (executors/base.py, with the executors' call options on top). The generator hands out its
+executor's; what calls it from above or below the executors (the service and the benchmark through
+`protocols.GeneratorHandle`, the LoRA transactions through `lora.protocols.LoraExecutor`) asks for `CollectiveRpc`."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 
-class CollectiveRpc(Protocol):
-    def collective_rpc(
+class RpcCall(Protocol):
+    def __call__(
         self,
         method: str | Callable[..., Any],
         args: tuple[Any, ...] = (),
@@ -22,3 +22,8 @@ class CollectiveRpc(Protocol):
         rank's result in rank order, or with `unique_reply_rank=r` rank r's result alone (under a launcher: this
         process's own rank's). `timeout`: seconds before the ranks count as stuck; None waits as long as it takes."""
         ...
+
+
+class CollectiveRpc(Protocol):
+    @property
+    def collective_rpc(self) -> RpcCall: ...
