@@ -35,6 +35,11 @@ REPO = Path(__file__).resolve().parent.parent
 # model, once it ships as the package's default (docs/demo-model.md), gets its own tests, which name it or unset this.
 os.environ["DISTVIDEO_MODEL"] = str(REPO / "src" / "distvideo" / "assets" / "tiny-wan")
 
+# The automatic layout plans with the documented assumptions in every test: a probe file a developer measured on this
+# machine (`distvideo plan --probe`, ~/.cache/distvideo/probe.json) would change the layouts the tests expect. A
+# test of the probe writes its own file here (tests/test_autolayout_probe.py).
+os.environ["DISTVIDEO_PROBE_FILE"] = str(Path("/nonexistent") / "distvideo-suite-probe.json")
+
 # The suite runs on the CPU on every machine, one with GPUs included: its frames, its gloo groups and its exact
 # comparisons are CPU ones, and a rank that found a GPU would take it (select_device). Hidden here, before anything
 # initialises CUDA, for this process and every process it starts. A test about CUDA is marked `gpu` and starts its

@@ -27,7 +27,7 @@ from distvideo import VideoGenerator
 from distvideo.errors import WorkerDiedError
 from distvideo.executors.base import RankFailure
 from distvideo.models.embedded import tiny_model_path
-from distvideo.request import GenerationRequest
+from distvideo.request import ResolvedRequest
 from distvideo.testing.checkpoints import build_embedded_model
 
 from background import foreground_children
@@ -216,7 +216,7 @@ def test_frames_match_inline_and_only_the_output_rank_ships_them(gen: VideoGener
         expected = inline.generate("a red fox running through snow", seed=3, **SMALL).frames
     assert np.array_equal(result.frames, expected)
 
-    assert isinstance(result.request, GenerationRequest)
+    assert isinstance(result.request, ResolvedRequest)
     outputs = gen.collective_rpc("execute_forward", args=(result.request,))
     assert [o.rank for o in outputs] == [0, 1]
     assert outputs[0].frames is not None and outputs[1].frames is None

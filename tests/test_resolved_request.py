@@ -51,3 +51,12 @@ def test_the_generator_takes_a_resolved_request_as_resolved(tiny_model, monkeypa
         again = gen.generate_request(given.request)
     assert again.request == given.request
     assert np.array_equal(again.frames, given.frames)
+
+
+def test_reading_the_image_makes_rgb_pixels_once(tiny_model):
+    info = probe_model(tiny_model)
+    resolved = info.resolve_request(GenerationRequest(prompt="a boat"), read_image=False)
+    grey = np.arange(12, dtype=np.uint8).reshape(3, 4)
+    read = dataclasses.replace(resolved, image=grey).read_image()
+    assert read.image.shape == (3, 4, 3) and np.array_equal(read.image[..., 1], grey)
+    assert read.read_image() is read  # RGB pixels already: nothing read again

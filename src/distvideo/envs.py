@@ -92,6 +92,13 @@ _declare(
     "distvideo serve: the API key clients must send as 'Authorization: Bearer KEY' when --api-key is not given "
     "(keeps the key off the command line).",
 )
+_declare(
+    "DISTVIDEO_PROBE_FILE",
+    _str,
+    None,
+    "Where `distvideo plan --probe` keeps this machine's measured figures for the automatic layout, and where the "
+    "planner reads them. Default: ~/.cache/distvideo/probe.json.",
+)
 _declare("DISTVIDEO_NO_PROGRESS", _bool, False, "Disable the tqdm progress bar (same as --no-progress).")
 _declare(
     "DISTVIDEO_COMPACT_TEXT_PADDING",

@@ -232,8 +232,9 @@ class ResolvedRequest:
     def read_image(self) -> ResolvedRequest:
         """The request with its image's pixels read in this process (a path: from this node's disk); ConfigError
         naming the image when it cannot be read. The size the image sets was resolved with the request."""
-        if self.image is None or isinstance(self.image, np.ndarray):
-            return self
+        image = self.image
+        if image is None or (isinstance(image, np.ndarray) and image.dtype == np.uint8 and image.shape[2:] == (3,)):
+            return self  # no image, or its pixels read already (load_image's RGB array)
         return dataclasses.replace(self, image=load_image(self.image, self.naming.label("image")))
 
     def digest_fields(self) -> dict[str, Any]:

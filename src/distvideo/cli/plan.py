@@ -40,6 +40,13 @@ def add_plan_parser(sub: Any) -> None:
         help="latency: one request as fast as possible (the engine's choice); throughput: requests per second with "
         "every replica busy (batches, services)",
     )
+    p.add_argument(
+        "--probe",
+        action="store_true",
+        help="measure this machine's CPU figures first (matmul rate, per-layer cost, gloo all-to-all latency and "
+        "bandwidth per group size; about a minute) and keep them for every later plan and automatic layout here "
+        "(DISTVIDEO_PROBE_FILE)",
+    )
     p.add_argument("--top", type=int, default=12, help="alternatives shown (default 12)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
@@ -57,6 +64,11 @@ def _check(args: argparse.Namespace) -> None:
         raise ConfigError(f"--memory-gib {args.memory_gib}: must be a positive number of GiB per rank")
     if args.top < 1:
         raise ConfigError(f"--top {args.top}: must be >= 1")
+    if args.probe and args.device == "cuda":
+        raise ConfigError(
+            "--probe with --device cuda: the probe measures this machine's CPU ranks; the CUDA figures are the "
+            "documented assumptions (docs/parallel.md), checked by benchmarks/gpu_check.py's layout_estimate phase"
+        )
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -64,7 +76,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from distvideo.models.embedded import embedded_model_path
     from distvideo.models.hub import resolve_model
     from distvideo.models.registry import probe_model
-    from distvideo.parallel.planner import default_request, plan_for
+    from distvideo.parallel.planner import default_request, device_figures, device_kind, plan_for
 
     _check(args)
     name = args.model or envs.get("DISTVIDEO_MODEL")
@@ -72,6 +84,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     sizes = {k: getattr(args, k) for k in ("height", "width", "num_frames", "guidance_scale")}
     request = default_request(model, Naming("flag"), **sizes)  # as generate resolves it
     memory = int(args.memory_gib * 2**30) if args.memory_gib else None
+    if args.probe and device_kind(args.device) == "cpu":  # measured and kept, then planned with the measured figures
+        from distvideo.parallel.probe import measure
+
+        measure()
     plan = plan_for(
         model,
         request,
@@ -85,8 +101,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
         quantize_text_encoder=args.quantize_text_encoder,
         can_shard=all(mode in (None, "none") for mode in (args.quantize, args.quantize_text_encoder)),
     )
-    from distvideo.parallel.planner import device_figures, device_kind
-
     kind = device_kind(args.device)
     hardware = device_figures(kind, args.num_gpus // args.nodes, memory)
     header = {
@@ -126,6 +140,15 @@ def hardware_note(kind: str, device: str | None, nodes: int) -> str:
     if kind == "cpu" and nodes > 1:
         note += "; the CPU figures assume the same link inside and across nodes, so --nodes changes no CPU estimate"
     return note
+
+
+def figure_source(hardware: dict[str, Any]) -> str:
+    if hardware["source"] != "probed":
+        return "assumed, docs/parallel.md; `distvideo plan --probe` measures this machine's"
+    from distvideo.parallel.probe import cached_probe, probe_path
+
+    probed = cached_probe()
+    return f"measured {probed.measured if probed else ''} by --probe, {probe_path()}"
 
 
 def flags(shape: Any) -> str:
@@ -184,8 +207,8 @@ def plan_text(plan: Any, header: dict[str, Any], top: int) -> str:
     lines = [
         f"model: {header['model']} ({header['family']})",
         f"request: {req['num_frames']} frames x {req['height']} x {req['width']}, guidance {req['guidance_scale']}",
-        f"world: {header['world']} ranks on {header['nodes']} node(s); {hw['kind']} figures (assumed, "
-        f"docs/parallel.md): {hw['flops'] / 1e12:.3g} TFLOP/s, {gib(hw['memory_bytes'])} per rank, links "
+        f"world: {header['world']} ranks on {header['nodes']} node(s); {hw['kind']} figures ({figure_source(hw)}): "
+        f"{hw['flops'] / 1e12:.3g} TFLOP/s, {gib(hw['memory_bytes'])} per rank, links "
         f"{hw['intra_bandwidth'] / 1e9:.3g} / {hw['inter_bandwidth'] / 1e9:.3g} GB/s inside / across nodes",
         f"device figures: {header['hardware_note']}",
         "",

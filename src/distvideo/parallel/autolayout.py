@@ -66,7 +66,9 @@ class Hardware:
     `flops` achieved matmul FLOP/s; `memory_bytes` per rank; bandwidths in bytes/s that one rank moves inside a node
     and across nodes; `latency` seconds per collective or ring pass; `layer_overhead` seconds per transformer layer
     and forward that do not scale with FLOPs (launches, Python, norms); `block_overhead` seconds per extra attention
-    block under ring attention (one more kernel call and a float32 log-sum-exp merge)."""
+    block under ring attention (one more kernel call and a float32 log-sum-exp merge). `collectives`: measured
+    (group size, latency, bandwidth) of groups inside a node (parallel/probe.py), which take the place of `latency`
+    and `intra_bandwidth` for a group of that size (the nearest measured one); `source`: "assumed" or "probed"."""
 
     kind: str
     flops: float
@@ -77,6 +79,8 @@ class Hardware:
     layer_overhead: float
     block_overhead: float
     ranks_per_node: int
+    collectives: tuple[tuple[int, float, float], ...] = ()
+    source: str = "assumed"
 
 
 @dataclass(frozen=True, order=True)
@@ -160,8 +164,21 @@ def spans_nodes(world: int, stride: int, size: int, ranks_per_node: int) -> bool
     return False
 
 
+def _measured(size: int, hw: Hardware) -> tuple[int, float, float] | None:
+    return min(hw.collectives, key=lambda c: (abs(c[0] - size), c[0]), default=None)
+
+
+def _latency(size: int, hw: Hardware) -> float:
+    """Seconds of one collective (or ring pass) in a group of `size` ranks."""
+    measured = _measured(size, hw)
+    return measured[1] if measured is not None else hw.latency
+
+
 def _bandwidth(world: int, stride: int, size: int, hw: Hardware) -> float:
-    return hw.inter_bandwidth if spans_nodes(world, stride, size, hw.ranks_per_node) else hw.intra_bandwidth
+    if spans_nodes(world, stride, size, hw.ranks_per_node):
+        return hw.inter_bandwidth
+    measured = _measured(size, hw)
+    return measured[2] if measured is not None else hw.intra_bandwidth
 
 
 def forward_compute(model: ModelFigures, request: RequestFigures, hw: Hardware, shape: Shape) -> float:
@@ -185,20 +202,20 @@ def step_time(model: ModelFigures, request: RequestFigures, hw: Hardware, world:
     parts = {"compute": forwards * compute}
     if u > 1:  # two all-to-alls per layer (q, k, v together; the output); (u-1)/u of the data leaves the rank
         moved = 4 * local * model.hidden * b * (u - 1) / u
-        parts["ulysses"] = forwards * layers * (2 * hw.latency + moved / _bandwidth(world, 1, u, hw))
+        parts["ulysses"] = forwards * layers * (2 * _latency(u, hw) + moved / _bandwidth(world, 1, u, hw))
     if r > 1:  # r-1 key/value passes per layer, each hidden behind one block of attention as far as that lasts, and
         # r-1 more blocks to compute and merge
-        one_pass = hw.latency + 2 * local * model.hidden * b / _bandwidth(world, u, r, hw)
+        one_pass = _latency(r, hw) + 2 * local * model.hidden * b / _bandwidth(world, u, r, hw)
         block = 4 * local * request.tokens * model.hidden / r / RING_ATTENTION_EFFICIENCY / hw.flops
         parts["ring"] = forwards * layers * (r - 1) * (max(0.0, one_pass - block) + hw.block_overhead)
     if sp > 1:  # the output all-gather of every forward
-        parts["gather"] = forwards * (hw.latency + request.latent_bytes / _bandwidth(world, 1, sp, hw))
+        parts["gather"] = forwards * (_latency(sp, hw) + request.latent_bytes / _bandwidth(world, 1, sp, hw))
     if cfg > 1:  # one all-gather of the noise prediction per step over the CFG pair (sp ranks apart)
-        parts["cfg"] = hw.latency + request.latent_bytes / _bandwidth(world, sp, cfg, hw)
+        parts["cfg"] = _latency(cfg, hw) + request.latent_bytes / _bandwidth(world, sp, cfg, hw)
     size = shape.replica_size
     if shape.shard != "none" and size > 1:  # every block all-gathered per forward, prefetched behind the one before
         moved = model.transformer_params * b * (size - 1) / size
-        gather = layers * hw.latency + moved / _bandwidth(world, 1, size, hw)
+        gather = layers * _latency(size, hw) + moved / _bandwidth(world, 1, size, hw)
         parts["shard"] = forwards * max(0.0, gather - compute)
     return parts
 

@@ -6,6 +6,7 @@ any process starts.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -25,6 +26,7 @@ from distvideo.models.memory import estimate_request
 from distvideo.models.registry import ModelInfo
 from distvideo.parallel.autolayout import Hardware, ModelFigures, Plan, RequestFigures, plan_layout
 from distvideo.parallel.layout import ParallelLayout, resolve_layout
+from distvideo.parallel.probe import ProbeFigures, cached_probe
 from distvideo.request import GenerationRequest, ResolvedRequest, is_guided
 
 #: the options that make a layout explicit: any of them given, the rules of parallel/layout.py fill the rest
@@ -38,11 +40,21 @@ _BLOCK = re.compile(r"^(.*?blocks\.\d+)\.")
 # 10 GbE link; CUDA: an H100/H200-class GPU in bf16 at about 40% of its dense peak, NVLink inside a node, one
 # 200 Gb/s NIC per GPU across nodes.
 CPU_CORE_FLOPS = 50e9
-CPU_FIGURES = dict(intra_bandwidth=1e9, inter_bandwidth=1e9, latency=200e-6, layer_overhead=1e-3, block_overhead=250e-6)
-CUDA_FLOPS = 400e12
+#: one CPU core's figures (flops per core; the memory and ranks per node are the machine's)
+CPU_FIGURES = Hardware(
+    "cpu", CPU_CORE_FLOPS, 0, 1e9, 1e9, latency=200e-6, layer_overhead=1e-3, block_overhead=250e-6, ranks_per_node=1
+)
 CUDA_MEMORY_BYTES = 80 * 2**30
-CUDA_FIGURES = dict(
-    intra_bandwidth=150e9, inter_bandwidth=25e9, latency=20e-6, layer_overhead=50e-6, block_overhead=20e-6
+CUDA_FIGURES = Hardware(
+    "cuda",
+    400e12,
+    CUDA_MEMORY_BYTES,
+    150e9,
+    25e9,
+    latency=20e-6,
+    layer_overhead=50e-6,
+    block_overhead=20e-6,
+    ranks_per_node=1,
 )
 
 
@@ -75,12 +87,25 @@ def device_figures(kind: str, ranks_per_node: int, memory_bytes: int | None = No
     nvidia-smi when present, else an 80 GiB H100-class default). `memory_bytes` overrides the memory per rank."""
     if kind == "cuda":
         memory = memory_bytes or _nvidia_smi_memory() or CUDA_MEMORY_BYTES
-        return Hardware("cuda", CUDA_FLOPS, memory, ranks_per_node=ranks_per_node, **CUDA_FIGURES)
+        return dataclasses.replace(CUDA_FIGURES, memory_bytes=memory, ranks_per_node=ranks_per_node)
+    return cpu_figures(ranks_per_node, memory_bytes, cached_probe())
+
+
+def cpu_figures(ranks_per_node: int, memory_bytes: int | None, probed: ProbeFigures | None) -> Hardware:
+    """One CPU rank's figures: the rank's share of the cores and memory, at the probe's measured rates when there is
+    a probe of this machine, else at the documented assumptions."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     threads = cores / ranks_per_node if ranks_per_node > cores else cores // ranks_per_node
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     memory = memory_bytes or ram // ranks_per_node
-    return Hardware("cpu", CPU_CORE_FLOPS * threads, memory, ranks_per_node=ranks_per_node, **CPU_FIGURES)
+    cpu = dataclasses.replace(
+        CPU_FIGURES, flops=CPU_CORE_FLOPS * threads, memory_bytes=memory, ranks_per_node=ranks_per_node
+    )
+    if probed is None:
+        return cpu
+    flops, overhead = probed.for_threads(threads)
+    collectives = tuple((size, lat, bw) for size, (lat, bw) in sorted(probed.collectives.items()))
+    return dataclasses.replace(cpu, flops=flops, layer_overhead=overhead, collectives=collectives, source="probed")
 
 
 def _nvidia_smi_memory() -> int | None:
