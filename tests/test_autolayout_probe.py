@@ -5,16 +5,19 @@ the assumptions in the cost model, and, on the figures the benchmark recorded (b
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
 
 import pytest
 
+from distvideo.cli.main import main
 from distvideo.errors import ConfigError
-from distvideo.parallel import planner
 from distvideo.models.registry import probe_model
-from distvideo.parallel.autolayout import Hardware, ModelFigures, RequestFigures, Shape, estimate, step_time
+from distvideo.parallel import planner
+from distvideo.parallel import probe as probe_module
+from distvideo.parallel.autolayout import NEAR, Hardware, ModelFigures, RequestFigures, Shape, estimate, step_time
 from distvideo.parallel.probe import PROBE_VERSION, ProbeFigures, cached_probe, probe_machine
 
 RECORD = Path(__file__).resolve().parent.parent / "benchmarks" / "records" / "autolayout_check.json"
@@ -86,4 +89,29 @@ def test_the_probed_estimate_orders_the_layouts_as_measured():
         hardware = Hardware(**{**fields, "collectives": tuple(tuple(c) for c in fields["collectives"])})
         assert hardware.source == "probed"
         estimates[mode] = estimate(model, request, hardware, world, shape).time
-    assert sorted(estimates, key=estimates.get) == sorted(measured, key=measured.get), (estimates, measured)
+    # every pair the runs tell apart (medians more than the planner's tie band apart) is ordered alike
+    apart = [(a, b) for a in MODES for b in MODES if measured[a] < measured[b] * (1 - NEAR)]
+    assert apart, measured
+    for faster, slower in apart:
+        assert estimates[faster] < estimates[slower], (faster, slower, estimates, measured)
+    # and each estimate is within 25% of its median, as docs/parallel.md says
+    assert all(abs(estimates[m] - measured[m]) <= 0.25 * measured[m] for m in MODES), (estimates, measured)
+
+
+def test_plan_probe_measures_keeps_and_plans_with_the_figures(probe_file, capsys, monkeypatch):
+    """One real probe (layers timed on this machine, two spawned gloo ranks; fewer rounds than a user's, for time),
+    then the plan names its figures; a probe for a CUDA plan is refused before anything is measured."""
+    monkeypatch.setattr(probe_module, "measure", functools.partial(probe_module.measure, rounds=2, repeats=2))
+    assert main(["plan", "--num-gpus", "2", "--device", "cpu", "--probe", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    probe = cached_probe()
+    assert probe is not None and probe.machine == probe_machine() and set(probe.collectives) == {2}
+    assert all(x > 0 for x in [*probe.flops.values(), *probe.layer_overhead.values(), *probe.collectives[2]])
+    assert plan["hardware"]["source"] == "probed" and plan["hardware"]["collectives"][0][:2] == [
+        2,
+        probe.collectives[2][0],
+    ]
+    assert main(["plan", "--num-gpus", "2"]) == 0 and "by --probe" in capsys.readouterr().out
+    probe_file.unlink()
+    assert main(["plan", "--num-gpus", "2", "--device", "cuda", "--probe"]) == 2
+    assert "--probe with --device cuda" in capsys.readouterr().err and not probe_file.exists()

@@ -14,7 +14,8 @@ from typing import Any
 
 SHARD_LEVELS = ("none", "transformer", "all")  # the order of preference: shard only what memory requires
 OBJECTIVES = ("latency", "throughput")
-#: estimates within this fraction of the fastest count as equal (the model's own error); the preferences decide then
+#: estimates within this fraction of the fastest count as equal (closer than a run tells layouts apart on a quiet machine,
+#: docs/parallel.md "Checking the estimates"); the preferences decide then
 NEAR = 0.10
 #: fraction of a device's memory a layout may plan to use (models/memory.py keeps the same headroom for a request)
 USABLE_FRACTION = 0.9

@@ -6,11 +6,14 @@ machine, in the cost model's own terms:
 
 - **flops** and **layer_overhead**, for every thread count a rank can get here (cores / ranks per node): one
   transformer layer (self-attention with its projections, a 4x feed-forward, layer norms) timed at a small width,
-  where its FLOPs are negligible (the overhead), and at a working size, where they dominate; the FLOPs are counted as
+  where its FLOPs are negligible (the overhead), and at a working size, where they dominate (medians of interleaved
+  rounds, every thread count in each); the FLOPs are counted as
   the cost model counts them, so what the layer spends beside its matmuls (norms, softmax, activations) is in the rate.
 - **collectives**, for every group size from 2 to the cores (powers of 2): gloo all-to-alls among that many processes
-  on the loopback interface, one thread each: a small one (the latency) and one of BANDWIDTH_BYTES per rank (the bytes
-  leaving each rank over the time past the latency).
+  on the loopback interface, each with its share of the cores, timed as sequence parallelism calls them, right after a layer: what a
+  layer and a small all-to-all take over the layer alone (the latency, with the ranks' skew and the contention with
+  the compute threads in it; the median of many back-to-back pairs), and what one of BANDWIDTH_BYTES per rank adds
+  over that (the bandwidth of the bytes leaving a rank). The slowest rank's figures count: a collective waits for it.
 
 The figures are kept in a JSON file (DISTVIDEO_PROBE_FILE, else ~/.cache/distvideo/probe.json) with the machine they
 were measured on (host, CPU, cores, torch version); the planner reads them when they match this machine and falls back
@@ -29,6 +32,7 @@ import socket
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -40,9 +44,11 @@ from distvideo.paths import replace_file
 PROBE_VERSION = 1
 #: the two layer sizes: (tokens, width) where FLOPs are negligible, and where they dominate
 OVERHEAD_SIZE = (16, 32)
-WORK_SIZE = (1024, 256)
+WORK_SIZE = (512, 256)
 BANDWIDTH_BYTES = 4 * 2**20
 MAX_GROUP = 8
+#: the layer between the collectives of the synchronised measurement
+SYNCED_LAYER = (256, 256)
 COLLECTIVE_TIMEOUT_S = 120
 
 
@@ -128,8 +134,9 @@ def cached_probe() -> ProbeFigures | None:
     return figures
 
 
-def measure(*, repeats: int = 7) -> ProbeFigures:
-    """Measure this machine's figures (a few seconds to a minute) and write them to the probe file."""
+def measure(*, rounds: int = 7, repeats: int = 7) -> ProbeFigures:
+    """Measure this machine's figures (a few seconds on a small machine: the layers in `rounds` interleaved rounds, each
+    collective `repeats` times over) and write them to the probe file."""
     import torch
 
     cores = _cores()
@@ -137,15 +144,21 @@ def measure(*, repeats: int = 7) -> ProbeFigures:
     flops: dict[int, float] = {}
     overhead: dict[int, float] = {}
     before = torch.get_num_threads()
-    try:
-        for t in threads:
-            torch.set_num_threads(t)
-            small = _layer_seconds(*OVERHEAD_SIZE, repeats=repeats * 4)
-            work = _layer_seconds(*WORK_SIZE, repeats=repeats)
-            overhead[t] = small
-            flops[t] = layer_flops(*WORK_SIZE) / max(work - small, 1e-9)
+    small_runs: dict[int, list[float]] = {t: [] for t in threads}
+    work_runs: dict[int, list[float]] = {t: [] for t in threads}
+    try:  # in rounds, every thread count once per round: a slow spell of the machine falls on all of them
+        small_layer, work_layer = _layer(*OVERHEAD_SIZE), _layer(*WORK_SIZE)
+        for _ in range(rounds):
+            for t in threads:
+                torch.set_num_threads(t)
+                small_runs[t].append(_seconds(small_layer, 8))
+                work_runs[t].append(_seconds(work_layer, 3))
     finally:
         torch.set_num_threads(before)
+    for t in threads:
+        small, work = statistics.median(small_runs[t]), statistics.median(work_runs[t])
+        overhead[t] = small
+        flops[t] = layer_flops(*WORK_SIZE) / max(work - small, 1e-9)
     sizes = [s for s in (2, 4, 8) if s <= max(2, min(cores, MAX_GROUP))]
     collectives = {size: _collective_figures(size, repeats) for size in sizes}
     figures = ProbeFigures(
@@ -167,8 +180,8 @@ def layer_flops(tokens: int, width: int) -> float:
     return 2 * 12 * width * width * tokens + 4 * tokens * tokens * width
 
 
-def _layer_seconds(tokens: int, width: int, *, repeats: int) -> float:
-    """Median seconds of one forward of a pre-norm transformer layer in float32, written as diffusers' video blocks
+def _layer(tokens: int, width: int) -> Callable[[], Any]:
+    """One forward of a pre-norm transformer layer in float32 on random tokens, written as diffusers' video blocks
     are (separate projections, scaled_dot_product_attention, a GELU feed-forward), not torch's fused encoder layer."""
     import torch
     import torch.nn.functional as F
@@ -187,23 +200,28 @@ def _layer_seconds(tokens: int, width: int, *, repeats: int) -> float:
             "down": nn.Linear(4 * width, width),
         }
     )
+    x = torch.randn(1, tokens, width)
 
-    def forward(x: torch.Tensor) -> torch.Tensor:
+    @torch.inference_mode()
+    def forward() -> torch.Tensor:
         h = parts["norm1"](x)
         q, k, v = (parts[n](h).unflatten(-1, (heads, -1)).transpose(1, 2) for n in ("q", "k", "v"))
         attended = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)
-        x = x + parts["out"](attended)
-        out: torch.Tensor = x + parts["down"](F.gelu(parts["up"](parts["norm2"](x)), approximate="tanh"))
+        y = x + parts["out"](attended)
+        out: torch.Tensor = y + parts["down"](F.gelu(parts["up"](parts["norm2"](y)), approximate="tanh"))
         return out
 
-    x = torch.randn(1, tokens, width)
+    return forward
+
+
+def _seconds(call: Callable[[], Any], repeats: int) -> float:
+    """Median seconds of `call`, after two unmeasured calls."""
     times = []
-    with torch.inference_mode():
-        for n in range(repeats + 2):
-            start = time.perf_counter()
-            forward(x)
-            if n >= 2:  # two warm-ups
-                times.append(time.perf_counter() - start)
+    for n in range(repeats + 2):
+        start = time.perf_counter()
+        call()
+        if n >= 2:
+            times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
@@ -240,10 +258,14 @@ def _collective_rank(rank: int, size: int, store: str, out: str, repeats: int) -
     torch.set_num_threads(max(1, _cores() // size))
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=size)
     try:
-        small = _all_to_all_seconds(torch.zeros(size * 16), repeats * 4)
-        large = _all_to_all_seconds(torch.zeros(BANDWIDTH_BYTES // 4), repeats)
-        leaving = BANDWIDTH_BYTES * (size - 1) / size
-        mine = torch.tensor([small, leaving / max(large - small, 1e-9)], dtype=torch.float64)
+        # between layers, as sequence parallelism calls them: what a layer and an all-to-all take over the layer
+        # alone (the ranks' skew and the contention with the compute threads included), small and large
+        layer = _layer(*SYNCED_LAYER)
+        small, large = torch.zeros(size * 16), torch.zeros(BANDWIDTH_BYTES // 4)
+        latency = max(_collective_seconds(layer, small, repeats * 30), 1e-9)
+        moved = max(_collective_seconds(layer, large, repeats * 4) - latency, 1e-9)
+        bandwidth = BANDWIDTH_BYTES * (size - 1) / size / moved
+        mine = torch.tensor([latency, bandwidth], dtype=torch.float64)
         gathered = [torch.empty_like(mine) for _ in range(size)]
         dist.all_gather(gathered, mine)
         if rank == 0:  # the slowest rank's figures: a collective waits for it
@@ -254,19 +276,25 @@ def _collective_rank(rank: int, size: int, store: str, out: str, repeats: int) -
         dist.destroy_process_group()
 
 
-def _all_to_all_seconds(tensor: Any, repeats: int) -> float:
+def _collective_seconds(layer: Callable[[], Any], tensor: Any, pairs: int) -> float:
+    """What an all-to-all of `tensor` adds to a layer before it: the median over `pairs` of (a layer and the
+    all-to-all) less (a layer alone), each pair timed back to back."""
     import torch
     import torch.distributed as dist
 
     output = torch.empty_like(tensor)
-    times = []
-    for n in range(repeats + 2):
-        dist.barrier()
+    added = []
+    dist.barrier()
+    for n in range(pairs + 2):
         start = time.perf_counter()
+        layer()
+        alone = time.perf_counter() - start
+        start = time.perf_counter()
+        layer()
         dist.all_to_all_single(output, tensor)
-        if n >= 2:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        if n >= 2:  # two warm-ups
+            added.append(time.perf_counter() - start - alone)
+    return statistics.median(added)
 
 
 def _cores() -> int:
