@@ -120,7 +120,9 @@ def _sources() -> list[tuple[str, str]]:
     return [
         (str(path.relative_to(SRC)), path.read_text())
         for path in sorted(SRC.rglob("*.py"))
-        if path.relative_to(SRC).parts[0] != "executors"  # the executors' status exchange is world-wide on purpose
+        # the executors' status exchange is world-wide on purpose, and so are the probe's collectives: its own
+        # processes, measuring the machine before any engine (parallel/probe.py)
+        if path.relative_to(SRC).parts[0] != "executors" and path.relative_to(SRC).as_posix() != "parallel/probe.py"
     ]
 
 
