@@ -129,10 +129,13 @@ def _measure_peaks(stopping: threading.Event, environ: dict[str, str]) -> dict[s
         build = run_program([sys.executable, "-c", BUILD_BENCHMARK, str(tmp / "ckpt")], stopping, 300, env=environ)
         assert build.returncode == 0, build.stderr
         models = {"benchmark": str(tmp / "ckpt"), "embedded": str(tiny_model_path())}
+        # glibc's malloc raises its mmap threshold as mmapped blocks are freed, so whether the decode's large tensors
+        # come from mmap (returned at free) or from the heap (kept) followed the process's allocation history: the
+        # same request's peak varied from 396 to 523 MiB (estimate 352). A fixed threshold makes the peak the memory
+        # the request holds: 299.5 to 300.3 MiB in five runs
+        fixed = {**environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
         return {
-            key: run_program(
-                [sys.executable, "-c", MEASURE, models[which], *map(str, size)], stopping, 600, env=environ
-            )
+            key: run_program([sys.executable, "-c", MEASURE, models[which], *map(str, size)], stopping, 600, env=fixed)
             for key, (which, size) in ESTIMATED.items()
         }
     finally:
