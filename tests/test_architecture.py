@@ -23,6 +23,7 @@ LAYERS: list[tuple[str, ...]] = [
     (
         "errors",
         "envs",
+        "machine",
         "devices",
         "logging_utils",
         "slurm",

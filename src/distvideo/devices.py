@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import resource
 import socket
 
@@ -11,6 +10,7 @@ import torch
 
 from distvideo import envs
 from distvideo.errors import ConfigError
+from distvideo.machine import available_cores
 
 logger = logging.getLogger(__name__)
 
@@ -28,8 +28,7 @@ def default_num_threads(local_world_size: int | None) -> int | None:
         # runtime the fork server started (it read OMP_NUM_THREADS then), not one that read the driver's value
         first = omp.split(",")[0].strip()  # a nested setting ("4,2"): the outer level
         return int(first) if first.isdigit() and int(first) > 0 else None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // max(1, local_world_size or 1))
+    return max(1, available_cores() // max(1, local_world_size or 1))
 
 
 def cuda_device_index(local_rank: int, visible: int, cuda_visible_devices: str | None = None) -> int:

@@ -161,9 +161,7 @@ class GenerationRequest:
         """The fields every rank must agree on (all of them: the output path only matters on rank 0,
         but a difference there is still a sign of a divergent script). The image is compared by its content (a file
         by its bytes, so each node may hold its own copy), never by its path or object."""
-        fields = {f.name: getattr(self, f.name) for f in option_fields(GenerationRequest)}
-        fields["image"] = image_fingerprint(self.image)
-        return fields
+        return _digest(self)
 
 
 #: the fields a model's defaults must fill (ResolvedRequest types them as set)
@@ -235,13 +233,17 @@ class ResolvedRequest:
         image = self.image
         if image is None or (isinstance(image, np.ndarray) and image.dtype == np.uint8 and image.shape[2:] == (3,)):
             return self  # no image, or its pixels read already (load_image's RGB array)
-        return dataclasses.replace(self, image=load_image(self.image, self.naming.label("image")))
+        return dataclasses.replace(self, image=load_image(image, self.naming.label("image")))
 
     def digest_fields(self) -> dict[str, Any]:
         """As GenerationRequest.digest_fields: what every rank must agree on, the image by its content."""
-        fields = {f.name: getattr(self, f.name) for f in option_fields(ResolvedRequest)}
-        fields["image"] = image_fingerprint(self.image)
-        return fields
+        return _digest(self)
+
+
+def _digest(request: GenerationRequest | ResolvedRequest) -> dict[str, Any]:
+    fields = {f.name: getattr(request, f.name) for f in option_fields(type(request))}
+    fields["image"] = image_fingerprint(request.image)
+    return fields
 
 
 def is_guided(request: GenerationRequest | ResolvedRequest) -> bool:

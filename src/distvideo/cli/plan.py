@@ -44,7 +44,7 @@ def add_plan_parser(sub: Any) -> None:
         "--probe",
         action="store_true",
         help="measure this machine's CPU figures first (matmul rate, per-layer cost, gloo all-to-all latency and "
-        "bandwidth per group size; about a minute) and keep them for every later plan and automatic layout here "
+        "bandwidth per group size; a few seconds) and keep them for every later plan and automatic layout here "
         "(DISTVIDEO_PROBE_FILE)",
     )
     p.add_argument("--top", type=int, default=12, help="alternatives shown (default 12)")

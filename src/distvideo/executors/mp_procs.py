@@ -32,6 +32,7 @@ from distvideo.executors.mp_wire import (
     remote_traceback,
 )
 from distvideo.executors.mp_worker import worker_main
+from distvideo.machine import available_cores
 from distvideo.parallel.planner import device_kind
 
 if TYPE_CHECKING:
@@ -193,11 +194,6 @@ class WorkerProcesses:
             shutil.rmtree(self._rendezvous_dir, ignore_errors=True)
             self._rendezvous_dir = None
         self.control.close()
-
-
-def available_cores() -> int:
-    """The cores this process may run on (its CPU affinity, which the workers take: mp_start.DriverState)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def warn_if_oversubscribed(ranks: int, cores: int) -> None:

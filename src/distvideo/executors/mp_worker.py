@@ -15,7 +15,6 @@ import multiprocessing.util
 import os
 import pickle
 import signal
-import socket
 import sys
 import threading
 import time
@@ -37,6 +36,7 @@ from distvideo.executors.mp_wire import (
     dumps_shared,
     segment_buffer,
 )
+from distvideo.machine import bind_gloo_to_loopback
 
 if TYPE_CHECKING:
     from distvideo.worker import Worker
@@ -76,18 +76,6 @@ def _watch_parent(parent_pid: int, parent: int) -> None:
         time.sleep(PARENT_POLL_S)
 
 
-def _bind_gloo_to_loopback() -> None:
-    """Spawned ranks all live on this machine: gloo listens on the loopback interface only (it would otherwise bind
-    to the address the host name resolves to, reachable from the network)."""
-    from distvideo import envs
-
-    loopback = next((name for _, name in socket.if_nameindex() if name in ("lo", "lo0")), None)
-    if loopback is not None:
-        envs.set_external({"GLOO_SOCKET_IFNAME": loopback})
-    else:
-        logger.debug("no loopback interface found; gloo binds where the host name resolves")
-
-
 def _detach_stdin() -> None:
     # multiprocessing replaces sys.stdin, but descriptor 0 still points at the driver's terminal
     with contextlib.suppress(OSError):
@@ -124,7 +112,7 @@ def worker_main(
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked at spawn; ignored from now on
     _detach_stdin()
-    _bind_gloo_to_loopback()
+    bind_gloo_to_loopback()
 
     from tqdm import tqdm
 

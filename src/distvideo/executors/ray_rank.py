@@ -79,8 +79,8 @@ class RankActor:
         rank's (local rank, local world size) on its node; `loopback`: every rank is on this machine, so gloo listens
         on the loopback interface only."""
         from distvideo import envs
-        from distvideo.executors.mp_worker import _bind_gloo_to_loopback
         from distvideo.logging_utils import configure_logging, set_log_rank
+        from distvideo.machine import bind_gloo_to_loopback
         from distvideo.worker import RankInfo, Worker
 
         self.rank = rank
@@ -92,7 +92,7 @@ class RankActor:
             env: dict[str, str | int] = {"MASTER_ADDR": master[0], "MASTER_PORT": master[1], "RANK": rank}
             envs.set_external({**env, "WORLD_SIZE": world, "LOCAL_RANK": local_rank, "LOCAL_WORLD_SIZE": local_world})
         if loopback:
-            _bind_gloo_to_loopback()
+            bind_gloo_to_loopback()
         info = RankInfo(rank, local_rank, world, local_world, init_method)
 
         def start_worker() -> str:

@@ -21,6 +21,7 @@ from typing import Any
 from distvideo import envs
 from distvideo.config import EngineConfig, Naming
 from distvideo.errors import ConfigError
+from distvideo.machine import available_cores
 from distvideo.models.family import IMAGE_REQUIRED
 from distvideo.models.memory import estimate_request
 from distvideo.models.registry import ModelInfo
@@ -94,7 +95,7 @@ def device_figures(kind: str, ranks_per_node: int, memory_bytes: int | None = No
 def cpu_figures(ranks_per_node: int, memory_bytes: int | None, probed: ProbeFigures | None) -> Hardware:
     """One CPU rank's figures: the rank's share of the cores and memory, at the probe's measured rates when there is
     a probe of this machine, else at the documented assumptions."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = available_cores()
     threads = cores / ranks_per_node if ranks_per_node > cores else cores // ranks_per_node
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     memory = memory_bytes or ram // ranks_per_node

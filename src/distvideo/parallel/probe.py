@@ -7,13 +7,14 @@ machine, in the cost model's own terms:
 - **flops** and **layer_overhead**, for every thread count a rank can get here (cores / ranks per node): one
   transformer layer (self-attention with its projections, a 4x feed-forward, layer norms) timed at a small width,
   where its FLOPs are negligible (the overhead), and at a working size, where they dominate (medians of interleaved
-  rounds, every thread count in each); the FLOPs are counted as
-  the cost model counts them, so what the layer spends beside its matmuls (norms, softmax, activations) is in the rate.
+  rounds, every thread count in each); the FLOPs are counted as the cost model counts them, so what the layer spends
+  beside its matmuls (norms, softmax, activations) is in the rate.
 - **collectives**, for every group size from 2 to the cores (powers of 2): gloo all-to-alls among that many processes
-  on the loopback interface, each with its share of the cores, timed as sequence parallelism calls them, right after a layer: what a
-  layer and a small all-to-all take over the layer alone (the latency, with the ranks' skew and the contention with
-  the compute threads in it; the median of many back-to-back pairs), and what one of BANDWIDTH_BYTES per rank adds
-  over that (the bandwidth of the bytes leaving a rank). The slowest rank's figures count: a collective waits for it.
+  on the loopback interface, each with its share of the cores, timed as sequence parallelism calls them, right after
+  a layer: what a layer and a small all-to-all take over the layer alone (the latency, with the ranks' skew and the
+  contention with the compute threads in it; the median of many back-to-back pairs), and what one of BANDWIDTH_BYTES
+  per rank adds over that (the bandwidth of the bytes leaving a rank). The slowest rank's figures count: a collective
+  waits for it.
 
 The figures are kept in a JSON file (DISTVIDEO_PROBE_FILE, else ~/.cache/distvideo/probe.json) with the machine they
 were measured on (host, CPU, cores, torch version); the planner reads them when they match this machine and falls back
@@ -26,7 +27,6 @@ import contextlib
 import json
 import math
 import multiprocessing
-import os
 import platform
 import socket
 import statistics
@@ -39,6 +39,7 @@ from typing import Any
 
 from distvideo import envs
 from distvideo.errors import ConfigError
+from distvideo.machine import available_cores, bind_gloo_to_loopback
 from distvideo.paths import replace_file
 
 PROBE_VERSION = 1
@@ -95,7 +96,7 @@ def probe_machine() -> dict[str, Any]:
     return {
         "host": socket.gethostname(),
         "cpu": cpu or platform.processor(),
-        "cores": _cores(),
+        "cores": available_cores(),
         "torch": version("torch"),
     }
 
@@ -139,7 +140,7 @@ def measure(*, rounds: int = 7, repeats: int = 7) -> ProbeFigures:
     collective `repeats` times over) and write them to the probe file."""
     import torch
 
-    cores = _cores()
+    cores = available_cores()
     threads = sorted({max(1, cores // ranks) for ranks in range(1, cores + 1)})
     flops: dict[int, float] = {}
     overhead: dict[int, float] = {}
@@ -252,10 +253,8 @@ def _collective_rank(rank: int, size: int, store: str, out: str, repeats: int) -
     import torch
     import torch.distributed as dist
 
-    loopback = next((name for _, name in socket.if_nameindex() if name in ("lo", "lo0")), None)
-    if loopback is not None:
-        envs.set_external({"GLOO_SOCKET_IFNAME": loopback})
-    torch.set_num_threads(max(1, _cores() // size))
+    bind_gloo_to_loopback()
+    torch.set_num_threads(max(1, available_cores() // size))
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=size)
     try:
         # between layers, as sequence parallelism calls them: what a layer and an all-to-all take over the layer
@@ -295,7 +294,3 @@ def _collective_seconds(layer: Callable[[], Any], tensor: Any, pairs: int) -> fl
         if n >= 2:  # two warm-ups
             added.append(time.perf_counter() - start - alone)
     return statistics.median(added)
-
-
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
